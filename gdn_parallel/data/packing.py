@@ -1,0 +1,136 @@
+"""Packing documents into fixed-size varlen batches.
+
+A batch is `batch_size` rows of exactly `seq_len` tokens, concatenated into one packed row
+`[1, batch_size * seq_len]` described by `cu_seqlens`. Documents are streamed in a shuffled order
+(a new permutation every epoch, fixed by the seed); a document that does not fit in the room left in
+a row is cut, and its remainder starts the next row as a new document piece. Every row boundary is
+therefore a document boundary, nothing is padded, and no token is dropped: within an epoch every
+token of every document appears exactly once.
+
+Inside each piece `labels[t] = input_ids[t + 1]`; the last token of a piece has label -100 (no
+target crosses a piece boundary). `position_ids` count from 0 at the start of every piece, so
+`cu_seqlens` can be recovered from `position_ids == 0`.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Union
+
+import torch
+
+IGNORE_INDEX = -100
+
+DocumentLike = Union[torch.Tensor, bytes, bytearray, Sequence[int]]
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor      # [1, total] int64
+    labels: torch.Tensor         # [1, total] int64, -100 at each piece's last token
+    position_ids: torch.Tensor   # [1, total] int64, position inside the piece
+    cu_seqlens: torch.Tensor     # [num_pieces + 1] int64, 0 ... total
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Tokens with a target (label != -100): one fewer than the tokens of each piece."""
+        return num_label_tokens(self.num_tokens, self.num_docs)
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max().item())
+
+    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+        return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in
+                             (self.input_ids, self.labels, self.position_ids, self.cu_seqlens)))
+
+
+def num_label_tokens(total_tokens: int, num_pieces: int) -> int:
+    """Number of tokens that carry a label in a packed row of `num_pieces` document pieces."""
+    return int(total_tokens) - int(num_pieces)
+
+
+def _as_tensor(doc: DocumentLike) -> torch.Tensor:
+    if isinstance(doc, torch.Tensor):
+        if doc.dim() != 1:
+            raise ValueError(f"documents must be 1-D token sequences, got shape {tuple(doc.shape)}")
+        return doc
+    if isinstance(doc, (bytes, bytearray)):
+        if not doc:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(doc), dtype=torch.uint8)
+    return torch.as_tensor(list(doc), dtype=torch.long)
+
+
+def pack_pieces(pieces: List[torch.Tensor]) -> PackedBatch:
+    """Concatenate document pieces into one packed row with labels, positions and boundaries."""
+    lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.long)
+    if lengths.numel() == 0 or bool((lengths <= 0).any()):
+        raise ValueError("pack_pieces needs at least one piece and no empty pieces")
+    input_ids = torch.cat([p.to(torch.long) for p in pieces])
+    total = input_ids.numel()
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    position_ids = torch.arange(total, dtype=torch.long) - starts
+    labels = torch.empty_like(input_ids)
+    labels[:-1] = input_ids[1:]
+    labels[cu_seqlens[1:] - 1] = IGNORE_INDEX
+    return PackedBatch(input_ids.unsqueeze(0), labels.unsqueeze(0), position_ids.unsqueeze(0),
+                       cu_seqlens)
+
+
+def document_stream(num_docs: int, seed: int, epochs: Optional[int] = None) -> Iterator[int]:
+    """Document indices, a fresh seeded permutation per epoch; endless when epochs is None."""
+    generator = torch.Generator().manual_seed(int(seed))
+    for _ in (itertools.count() if epochs is None else range(epochs)):
+        yield from torch.randperm(num_docs, generator=generator).tolist()
+
+
+def packed_batches(documents: Sequence[DocumentLike], seq_len: int, batch_size: int, seed: int = 0,
+                   *, epochs: Optional[int] = None, drop_last: bool = True) -> Iterator[PackedBatch]:
+    """Yield PackedBatch of `batch_size` rows x `seq_len` tokens from shuffled, streamed documents.
+
+    epochs=None streams forever (a new shuffle each epoch). With a finite number of epochs the
+    stream ends when the documents run out; the last, incomplete batch is dropped when drop_last,
+    else yielded with fewer tokens (its last row shorter than seq_len).
+    The same documents, sizes and seed always give the same batches.
+    """
+    if seq_len <= 0 or batch_size <= 0:
+        raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be positive")
+    docs = [_as_tensor(d) for d in documents]
+    docs = [d for d in docs if d.numel() > 0]
+    if not docs:
+        raise ValueError("packed_batches got no non-empty documents")
+    order = document_stream(len(docs), seed, epochs)
+    current: Optional[torch.Tensor] = None
+    offset = 0
+    exhausted = False
+    while not exhausted:
+        pieces: List[torch.Tensor] = []
+        for _row in range(batch_size):
+            room = seq_len
+            while room > 0:
+                if current is None or offset == current.numel():
+                    index = next(order, None)
+                    if index is None:
+                        exhausted = True
+                        break
+                    current, offset = docs[index], 0
+                take = min(room, current.numel() - offset)
+                pieces.append(current[offset:offset + take])
+                offset += take
+                room -= take
+            if exhausted:
+                break
+        if exhausted and (drop_last or not pieces):
+            return
+        yield pack_pieces(pieces)

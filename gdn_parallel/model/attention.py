@@ -1,0 +1,43 @@
+"""Softmax attention token mixer: RoPE, grouped KV heads, sliding window or full causal."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.attention import attention
+from ..ops.rope import apply_rotary
+from .sequence import SequenceInfo
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, window: Optional[int]):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.attn_num_heads, config.num_kv_heads
+        self.head_dim, self.window = config.attn_dim, window
+        self.rope_theta, self.impl = config.rope_theta, config.attn_impl
+        hidden, bias = config.hidden_size, config.attn_qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        # Optional sigmoid output gate per channel (gated attention).
+        self.g_proj = (nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+                       if config.attn_output_gate else None)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        positions = seq.position_ids
+        if positions is None:
+            positions = torch.arange(T, device=x.device).expand(B, T)
+        q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
+        o = attention(q, k, v, causal=True, window=self.window, cu_seqlens=seq.cu_seqlens,
+                      impl=self.impl, cp_group=seq.cp).reshape(B, T, -1)
+        if self.g_proj is not None:
+            o = o * self.g_proj(x).sigmoid()
+        return self.o_proj(o)

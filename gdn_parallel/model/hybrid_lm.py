@@ -1,0 +1,137 @@
+"""HybridLM: embeddings, a pattern of pre-norm blocks (G / S / A mixers + SwiGLU), norm, lm_head.
+
+Written once for one device; parallelism is applied from gdn_parallel.parallel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.rope import positions_from_cu_seqlens
+from .attention import Attention
+from .gated_deltanet import GatedDeltaNet
+from .mlp import SwiGLU
+from .norm import RMSNorm
+from .sequence import SequenceInfo
+
+IGNORE_INDEX = -100
+
+
+def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:
+    if symbol == "G":
+        return GatedDeltaNet(config)
+    if symbol == "S":
+        return Attention(config, window=config.window_size)
+    if symbol == "A":
+        return Attention(config, window=None)
+    raise ValueError(f"unknown layer symbol {symbol!r} in model.layer_pattern; use G, S or A")
+
+
+class Block(nn.Module):
+    def __init__(self, symbol: str, config: ModelConfig):
+        super().__init__()
+        self.symbol = symbol
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = make_mixer(symbol, config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.mlp_dim)
+
+    def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), seq)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class LMOutput:
+    loss: Optional[torch.Tensor] = None      # mean over label tokens (sum / num_tokens)
+    loss_sum: Optional[torch.Tensor] = None  # summed cross-entropy (global means under parallelism)
+    logits: Optional[torch.Tensor] = None    # only when no labels are given
+    num_tokens: int = 0                      # tokens with a label
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(s, config) for s in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) for linears and embeddings; residual outputs scaled by
+        1/sqrt(2 * n_layers) (GPT-2 style). A_log, dt_bias, convs and norms keep their own init."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for block in self.layers:
+            for out_proj in (block.attn.o_proj, block.mlp.down_proj):
+                with torch.no_grad():
+                    out_proj.weight.div_(math.sqrt(2 * self.config.n_layers))
+
+    def sequence_info(self, input_ids, cu_seqlens=None, position_ids=None) -> SequenceInfo:
+        if position_ids is None and cu_seqlens is not None:
+            position_ids = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[1]).unsqueeze(0)
+        return SequenceInfo(cu_seqlens=cu_seqlens, position_ids=position_ids)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                seq: Optional[SequenceInfo] = None) -> LMOutput:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        seq = seq or self.sequence_info(input_ids, cu_seqlens, position_ids)
+        hidden = self.embeddings(input_ids)
+        for block in self.layers:
+            hidden = block(hidden, seq)
+        hidden = self.norm(hidden)
+        if labels is None:
+            return LMOutput(logits=self.lm_head(hidden))
+        loss_sum, count = self.loss_sum(hidden, labels)
+        return LMOutput(loss=loss_sum / max(count, 1), loss_sum=loss_sum, num_tokens=count)
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
+        """Summed cross-entropy over tokens with a label, and their count (for global means)."""
+        logits = self.lm_head(hidden)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, int((labels != IGNORE_INDEX).sum())
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            params.pop(id(self.embeddings.weight), None)
+        return sum(p.numel() for p in params.values())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per matmul parameter plus
+        the token mixers' own work (attention scores over the visible keys; the GDN chunk algorithm)."""
+        config = self.config
+        matmul_params = self.num_parameters(exclude_embeddings=True)
+        if config.tie_word_embeddings:
+            matmul_params += self.embeddings.weight.numel()
+        mixer = 0.0
+        for symbol in config.layer_types:
+            if symbol in "SA":
+                visible = min(config.window_size, seq_len) if symbol == "S" else seq_len / 2
+                mixer += 4 * visible * config.attn_num_heads * config.attn_dim
+            else:
+                C, K, V = config.gdn_chunk_size, config.gdn_head_dim, config.head_v_dim
+                mixer += config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
+        return 6.0 * matmul_params + 3.0 * mixer

@@ -1,0 +1,206 @@
+"""Gated delta rule: one public function per op, with its oracle (`naive`) beside the PyTorch chunked
+form (`chunk`) and, on CUDA, the Triton kernels (`triton`). See DESIGN §1."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..validation import check_cu_seqlens
+from .chunk import chunk_factors, chunk_gated_delta_rule
+from .layout import build_layout
+from .naive import naive_recurrence
+from .summary import fold_chunk_transitions
+
+IMPLS = ("auto", "naive", "chunk", "triton")
+MAX_HEAD_DIM = 256
+
+__all__ = ["gated_delta_rule", "summarize_segment", "l2_normalize", "IMPLS"]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (or float64)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
+                     initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                     cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm: bool = False,
+                     impl: str = "auto", chunk_size: int = 64, cp_group=None,
+                     cp_algorithm: Optional[str] = None):
+    """Run the gated delta rule over [B, T] tokens (or one packed row of documents).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head j reads q/k head
+    j // (HV // H)); g (log decay, <= 0) and beta: [B, T, HV]; initial_state: [N, HV, K, V] with
+    N = B, or the number of documents when `cu_seqlens` [N + 1] describes a packed row (B = 1).
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None).
+
+    Context parallelism: with `cp_group` (a process group, or a prebuilt
+    `gdn_parallel.parallel.context.CPContext`) the tensors are this rank's contiguous 1/cp slice of
+    one packed row, `cu_seqlens` are the *global* boundaries, `cp_algorithm` is "relay" (default) or
+    "allgather"; `initial_state` holds the documents that start on this rank and the final states
+    returned are those of the documents that end on it (DESIGN §2).
+    """
+    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size)
+    if cp_group is not None:
+        return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                 use_qk_l2norm, impl, chunk_size, cp_group, cp_algorithm)
+    cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
+    num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape[0] != num_seqs:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
+                         f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'})")
+    scale = K ** -0.5 if scale is None else scale
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if HV != H:
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    impl = _resolve_impl(impl, q)
+    if impl == "triton":
+        return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+    lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
+    if impl == "naive":
+        o, final = _naive_per_document(q, k, v, g, beta, scale, initial_state, lengths)
+    else:
+        flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        layout = build_layout(lengths, chunk_size, v.device)
+        o, final = chunk_gated_delta_rule(*flat, scale=scale, layout=layout, initial_state=initial_state)
+        o = o.reshape(B, T, HV, V)
+    return o, (final.to(_state_dtype(v)) if output_final_state else None)
+
+
+def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                      use_qk_l2norm, impl, chunk_size, cp_group, cp_algorithm):
+    from ...parallel.context import as_cp_context
+    from ...parallel.cp.gdn import cp_gated_delta_rule
+
+    if q.shape[0] != 1:
+        raise ValueError(f"context parallelism takes one packed row: q has batch {q.shape[0]}; flatten the "
+                         f"batch into [1, total] and describe it with the global cu_seqlens")
+    cp = as_cp_context(cp_group, cu_seqlens, q.shape[1], cp_algorithm, q.device)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if v.shape[2] != q.shape[2]:
+        group = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if _resolve_impl(impl, q) == "naive":
+        raise ValueError("impl='naive' is the single-process oracle; context parallelism runs the chunk "
+                         "algorithm (impl='chunk' or 'auto')")
+    return cp_gated_delta_rule(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
+                               initial_state=initial_state, output_final_state=output_final_state)
+
+
+def summarize_segment(k, v, g, beta, *, cu_seqlens: Optional[torch.Tensor] = None,
+                      use_qk_l2norm: bool = False, chunk_size: int = 64):
+    """Affine summary of a segment per sequence and value head: S_out = M @ S_in + S_loc.
+
+    k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]. Returns M [N, HV, K, K] and
+    S_loc [N, HV, K, V] (the final state from a zero start), fp32 (float64 for float64 inputs).
+    Chunk-parallel: all chunk transitions at once, then a log-depth pairwise fold.
+    """
+    B, T, H, K, HV, V = _check_inputs(k, k, v, g, beta, None, "chunk", chunk_size)
+    cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
+    if use_qk_l2norm:
+        k = l2_normalize(k)
+    if HV != H:
+        k = k.repeat_interleave(HV // H, dim=2)
+    dtype = _state_dtype(v)
+    lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
+    layout = build_layout(lengths, chunk_size, v.device)
+    chunked = [layout.pad(x.reshape(B * T, *x.shape[2:]).to(dtype)) for x in (k, k, v, g, beta)]
+    factors = chunk_factors(*chunked, scale=1.0)
+    m, s = factors.transition(slice(None))
+    return fold_chunk_transitions(m, s, layout)
+
+
+def _state_dtype(v: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(v.dtype, torch.float32)
+
+
+def _naive_per_document(q, k, v, g, beta, scale, initial_state, lengths):
+    if len(lengths) == q.shape[0]:  # plain batch
+        return naive_recurrence(q, k, v, g, beta, scale, initial_state)
+    outputs, finals, start = [], [], 0
+    for i, n in enumerate(lengths):
+        piece = [x[:, start:start + n] for x in (q, k, v, g, beta)]
+        h0 = None if initial_state is None else initial_state[i:i + 1]
+        o, final = naive_recurrence(*piece, scale, h0)
+        outputs.append(o)
+        finals.append(final)
+        start += n
+    return torch.cat(outputs, dim=1), torch.cat(finals)
+
+
+def _resolve_impl(impl: str, x: torch.Tensor) -> str:
+    if impl != "auto":
+        return impl
+    if x.is_cuda and _triton_available():
+        return "triton"
+    return "chunk"
+
+
+def _triton_available() -> bool:
+    try:
+        import gdn_kernels.gated_delta_rule  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    try:
+        from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
+    except ImportError as err:
+        raise RuntimeError(f"impl='triton' needs triton and the gdn_kernels package ({err}); "
+                           f"use impl='chunk' or 'auto'") from err
+    return triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _values_checked(x: torch.Tensor) -> bool:
+    # A value check reads the tensor on the host; on GPUs that is a sync that would stall the CP
+    # wavefront, so there it runs only on request.
+    return x.device.type == "cpu" or os.environ.get("GDN_PARALLEL_CHECK_VALUES") == "1"
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
+    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            raise ValueError(f"{name} must be a {rank}-D tensor, got shape {tuple(getattr(x, 'shape', ()))}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; they must match")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    B, T, H, K = q.shape
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v has shape {tuple(v.shape)}; its batch and length must match q {tuple(q.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"v has {HV} heads, not a multiple of the {H} heads of q/k (num_v_heads must be "
+                         f"a multiple of num_heads)")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"head dims must be <= {MAX_HEAD_DIM}: q/k have K={K}, v has V={V}")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, T, HV):
+            raise ValueError(f"{name} must have shape [B, T, HV] = {[B, T, HV]}, got {list(x.shape)}")
+    if _values_checked(g) and g.numel() and bool((g > 0).any()):
+        raise ValueError("g is the log decay and must be <= 0 everywhere (g = -exp(A_log) * softplus(.)); "
+                         f"got max {g.max().item():.4g}")
+    if initial_state is not None:
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, K, V):
+            raise ValueError(f"initial_state must have shape [N, HV, K, V] = [N, {HV}, {K}, {V}], got "
+                             f"{list(initial_state.shape)}")
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
+    return B, T, H, K, HV, V

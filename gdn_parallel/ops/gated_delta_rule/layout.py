@@ -1,0 +1,59 @@
+"""Documents of a packed row laid out chunk-aligned, so every chunk belongs to one document.
+
+Each document is padded at its end to a multiple of the chunk size with tokens that leave the state
+unchanged (k = v = q = 0, g = 0, beta = 0): S_t = 1 * (I - 0) S_{t-1} + 0. Padding is internal and
+removed from the outputs; nothing reaches the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ChunkLayout:
+    chunk_size: int
+    num_docs: int
+    padded_len: int
+    token_dest: torch.Tensor      # [total] index of each real token in the padded row
+    doc_first_chunk: list         # first chunk index of each document
+    doc_num_chunks: list          # number of chunks of each document
+    doc_lengths: list
+
+    @property
+    def num_chunks(self) -> int:
+        return self.padded_len // self.chunk_size
+
+    @property
+    def max_chunks(self) -> int:
+        return max(self.doc_num_chunks) if self.doc_num_chunks else 0
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[total, ...] -> [num_chunks, chunk, ...] with zeros in the padding."""
+        if self.padded_len == x.shape[0]:
+            padded = x
+        else:
+            padded = x.new_zeros(self.padded_len, *x.shape[1:]).index_copy(0, self.token_dest, x)
+        return padded.reshape(self.num_chunks, self.chunk_size, *x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_chunks, chunk, ...] -> [total, ...]."""
+        flat = x.reshape(self.padded_len, *x.shape[2:])
+        if self.padded_len == self.token_dest.numel():
+            return flat
+        return flat.index_select(0, self.token_dest)
+
+
+def build_layout(doc_lengths: list, chunk_size: int, device) -> ChunkLayout:
+    first, counts, dest = [], [], []
+    chunk_cursor = 0
+    for length in doc_lengths:
+        n = -(-length // chunk_size)
+        first.append(chunk_cursor)
+        counts.append(n)
+        dest.append(torch.arange(length) + chunk_cursor * chunk_size)
+        chunk_cursor += n
+    token_dest = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.long)
+    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size, token_dest.to(device),
+                       first, counts, list(doc_lengths))

@@ -1,0 +1,63 @@
+"""Rotary position embedding and the per-token document bookkeeping of packed rows.
+
+Packed rows ([1, total] with `cu_seqlens`) hold several documents back to back; positions restart
+at 0 in every document so a document sees the same rotary phases wherever it was packed.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from .validation import check_cu_seqlens
+
+__all__ = ["positions_from_cu_seqlens", "document_ids_from_cu_seqlens", "apply_rotary"]
+
+
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Index of the document each of the `total` tokens belongs to (int64, on cu_seqlens' device)."""
+    cu = check_cu_seqlens(cu_seqlens, 1, total)
+    tokens = torch.arange(total, device=cu.device)
+    # A token belongs to document d iff cu[d] <= t < cu[d+1]: count the document ends <= t.
+    return torch.searchsorted(cu[1:], tokens, right=True)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of each token inside its own document: 0 at every document start (int64)."""
+    cu = check_cu_seqlens(cu_seqlens, 1, total)
+    doc = document_ids_from_cu_seqlens(cu, total)
+    return torch.arange(total, device=cu.device) - cu[doc]
+
+
+def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by its positions, Llama/HF "rotate_half" layout.
+
+    Channel pairs are (i, i + D/2) with frequency theta^(-2i/D); the angles are computed in fp32
+    (bf16 positions/angles lose whole radians at long context) and the result is cast back to x.dtype.
+    `position_ids` is [B, T] or [T] (shared by the batch).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be a 4-D tensor [B, T, H, D], got {getattr(x, 'shape', type(x).__name__)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    B, T, _, D = x.shape
+    if D % 2 != 0:
+        raise ValueError(f"x has head dim {D}; rotary embedding needs an even head dim")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() \
+            or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise ValueError("position_ids must be an integer tensor [B, T] or [T]")
+    if position_ids.dim() == 1:
+        if position_ids.shape[0] != T:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [{T}] for x {tuple(x.shape)}")
+        position_ids = position_ids.unsqueeze(0)
+    elif position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [{B}, {T}] or [{T}]")
+    if not theta > 0:
+        raise ValueError(f"theta must be positive, got {theta}")
+
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
+    freqs = position_ids.to(device=x.device, dtype=torch.float32).unsqueeze(-1) * inv_freq  # [B|1, T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B|1, T, 1, D]: broadcast over heads
+    xf = x.float()
+    half = D // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)

@@ -1,0 +1,129 @@
+"""Causal depthwise short convolution (the kernel-4 conv in front of q, k, v of a GDN layer).
+
+    y[t] = act(bias + sum_{i=0..W-1} weight[:, i] * x[t - (W-1) + i])
+
+Tokens before the start of t's document count as zero, so packed documents never see each other.
+The first document of a row may instead see `prefix`, the W-1 tokens before x[:, 0]: under context
+parallelism that is the halo received from the previous rank (prefix[:, -1] is the token just
+before x[:, 0]). Later documents of the row started on this rank, so they never see the prefix.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .validation import check_cu_seqlens
+
+__all__ = ["causal_conv1d", "causal_conv1d_naive"]
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _check(x, weight, bias, activation, cu_seqlens, prefix):
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [B, T, D], got {getattr(x, 'shape', type(x).__name__)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    B, T, D = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [D, W] = [{D}, W] (squeeze the [D, 1, W] nn.Conv1d weight), "
+                         f"got {getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but x has {x.dtype}; cast them to one dtype")
+    W = weight.shape[1]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (D,):
+            raise ValueError(f"bias must be [D] = [{D}], got {getattr(bias, 'shape', type(bias).__name__)}")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias has dtype {bias.dtype} but x has {x.dtype}; cast them to one dtype")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if prefix is not None:
+        if not isinstance(prefix, torch.Tensor) or tuple(prefix.shape) != (B, W - 1, D):
+            raise ValueError(f"prefix must be [B, W-1, D] = [{B}, {W - 1}, {D}], "
+                             f"got {getattr(prefix, 'shape', type(prefix).__name__)}")
+        if prefix.dtype != x.dtype:
+            raise ValueError(f"prefix has dtype {prefix.dtype} but x has {x.dtype}; cast them to one dtype")
+    return check_cu_seqlens(cu_seqlens, B, T)
+
+
+def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    return y if activation is None else F.silu(y)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
+                  prefix: Optional[torch.Tensor] = None, cp_group=None) -> torch.Tensor:
+    """Vectorised causal depthwise conv: x [B, T, D], weight [D, W] -> y [B, T, D] (x's dtype).
+
+    With `cp_group` (a process group plus the global `cu_seqlens`, or a prebuilt CPContext) x is
+    this rank's shard of one packed row and the previous W-1 tokens of the same document arrive
+    from the previous rank(s) as a halo (DESIGN §2).
+    """
+    if cp_group is not None:
+        return _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group)
+    cu = _check(x, weight, bias, activation, cu_seqlens, prefix)
+    B, T, D = x.shape
+    W = weight.shape[1]
+    # Left context of the row: the prefix (halo) or zeros; everything else is masked per document.
+    left = prefix if prefix is not None else x.new_zeros(B, W - 1, D)
+    xp = torch.cat((left, x), dim=1)  # [B, W-1+T, D]; xp[:, t + W-1] = x[:, t]
+
+    if cu is None:
+        # One document per row: a plain depthwise conv over the padded row.
+        y = F.conv1d(xp.transpose(1, 2), weight.unsqueeze(1), bias, groups=D).transpose(1, 2)
+        return _activate(y, activation)
+
+    # Packed documents: sum of W shifted copies; the copy shifted by s (token t-s, tap W-1-s) is
+    # kept iff t-s is still in t's document, or t is in the first document (which sees the prefix).
+    doc = torch.searchsorted(cu[1:], torch.arange(T, device=x.device), right=True)
+    pos = torch.arange(T, device=x.device) - cu[doc]
+    first_doc = doc == 0
+    y = x * weight[:, W - 1]  # s = 0: the token itself, always visible
+    for s in range(1, W):
+        keep = ((pos >= s) | first_doc).to(x.dtype).unsqueeze(-1)  # [T, 1]
+        y = y + xp[:, W - 1 - s: W - 1 - s + T] * keep * weight[:, W - 1 - s]
+    if bias is not None:
+        y = y + bias
+    return _activate(y, activation)
+
+
+def _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group):
+    from ..parallel.context import as_cp_context
+    from ..parallel.cp.conv import cp_causal_conv1d
+
+    _check(x, weight, bias, activation, None, prefix)
+    if prefix is not None:
+        raise ValueError("prefix and cp_group exclude each other: under context parallelism the prefix "
+                         "is the halo received from the previous rank")
+    if x.shape[0] != 1:
+        raise ValueError(f"context parallelism takes one packed row: x has batch {x.shape[0]}")
+    cp = as_cp_context(cp_group, cu_seqlens, x.shape[1], None, x.device)
+    return cp_causal_conv1d(x, weight, bias, activation, cp)
+
+
+def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                        activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
+                        prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Token-loop oracle of `causal_conv1d` (slow; for tests)."""
+    cu = _check(x, weight, bias, activation, cu_seqlens, prefix)
+    B, T, D = x.shape
+    W = weight.shape[1]
+    starts = [0] if cu is None else cu[:-1].tolist()
+    rows = []
+    for b in range(B):
+        outs = []
+        for t in range(T):
+            start = max(st for st in starts if st <= t)  # start of t's document
+            acc = bias.clone() if bias is not None else x.new_zeros(D)
+            for i in range(W):
+                src = t - (W - 1) + i
+                if src >= start:
+                    acc = acc + weight[:, i] * x[b, src]
+                elif start == 0 and prefix is not None:  # first document looks into the halo
+                    acc = acc + weight[:, i] * prefix[b, W - 1 + src]
+            outs.append(_activate(acc, activation))
+        rows.append(torch.stack(outs))
+    return torch.stack(rows)

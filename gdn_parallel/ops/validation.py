@@ -1,0 +1,41 @@
+"""Argument checks shared by the ops: each failure is a ValueError that names the argument."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], batch: int, total: int,
+                     name: str = "cu_seqlens") -> Optional[torch.Tensor]:
+    """Validate document boundaries of a packed row: int, 1-D, starts at 0, increasing, ends at T.
+
+    Returns the boundaries as an int64 tensor (or None when not given).
+    """
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D integer tensor [num_seqs + 1], got "
+                         f"{getattr(cu_seqlens, 'shape', type(cu_seqlens).__name__)}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(f"{name} must hold integers, got {cu_seqlens.dtype}")
+    if batch != 1:
+        raise ValueError(f"{name} is given with batch size {batch}; packed documents need batch size 1: "
+                         f"flatten the batch into one row [1, total] and describe it with {name}")
+    values = cu_seqlens.detach().to("cpu", torch.int64)
+    if values[0].item() != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0].item()}")
+    if not bool((values[1:] > values[:-1]).all()):
+        raise ValueError(f"{name} must be strictly increasing (no empty documents), got {values.tolist()}")
+    if values[-1].item() != total:
+        raise ValueError(f"{name} must end at the sequence length {total}, got {values[-1].item()}")
+    return cu_seqlens.to(torch.int64)
+
+
+def check_same(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, dims=None) -> None:
+    """Shapes (selected dims) and dtype of `b` must match `a`."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"{name_b} has dtype {b.dtype} but {name_a} has {a.dtype}; cast them to one dtype")
+    dims = range(a.dim()) if dims is None else dims
+    if b.dim() != a.dim() or any(a.shape[d] != b.shape[d] for d in dims):
+        raise ValueError(f"{name_b} has shape {tuple(b.shape)}, incompatible with {name_a} {tuple(a.shape)}")

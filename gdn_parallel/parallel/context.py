@@ -1,0 +1,200 @@
+"""The context-parallel plan of one packed row, built once per batch (DESIGN §2).
+
+A packed row of `total` tokens with global document boundaries `cu_seqlens` is split contiguously
+over the `size` ranks of a CP group, `total / size` tokens each. Each boundary between two ranks is
+crossed by at most one document, so every hand-over (a GDN state, a conv or attention halo) is a
+single message from rank r to rank r + 1, and only ranks a document spans exchange its data.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+CP_ALGORITHMS = ("relay", "allgather")
+
+# Asynchronous sends not yet waited on, shared by every context of the process: a send's handle
+# must outlive the op (and the context) that started it, or the transfer may be cancelled.
+_PENDING_SENDS: list = []
+
+
+@dataclass
+class CPContext:
+    group: Optional[dist.ProcessGroup]
+    rank: int                       # rank inside the CP group
+    size: int                       # CP degree
+    global_cu: list                 # global document boundaries, python ints
+    local_len: int
+    algorithm: str = "relay"
+    device: torch.device = torch.device("cpu")
+    pending: list = field(default_factory=lambda: _PENDING_SENDS, repr=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, group: Optional[dist.ProcessGroup], cu_seqlens, local_len: int,
+              algorithm: str = "relay", device=None, rank: Optional[int] = None,
+              size: Optional[int] = None) -> "CPContext":
+        """`cu_seqlens`: global boundaries (tensor or list; None = one document over all ranks).
+
+        `rank`/`size` default to the caller's place in `group` (given explicitly, no group is
+        needed: shard planning on one process).
+        """
+        size = dist.get_world_size(group) if size is None else size
+        rank = dist.get_rank(group) if rank is None else rank
+        if algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"cp_algorithm={algorithm!r} is not one of {CP_ALGORITHMS}")
+        if local_len < 1:
+            raise ValueError(f"the local shard has {local_len} tokens; every CP rank needs at least one "
+                             f"(lower parallel.cp or use longer sequences)")
+        total = local_len * size
+        if cu_seqlens is None:
+            cu = [0, total]
+        else:
+            cu = (cu_seqlens.detach().to("cpu").tolist() if isinstance(cu_seqlens, torch.Tensor)
+                  else [int(c) for c in cu_seqlens])
+        if cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and be strictly increasing, got {cu}")
+        if cu[-1] != total:
+            raise ValueError(f"cu_seqlens ends at {cu[-1]} but the CP group holds {size} shards of {local_len} "
+                             f"tokens = {total}: pass the global boundaries of the whole row, whose length "
+                             f"must be divisible by the CP degree")
+        return cls(group, rank, size, cu, local_len, algorithm,
+                   torch.device(device) if device is not None else torch.device("cpu"))
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def total(self) -> int:
+        return self.global_cu[-1]
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.local_len
+
+    @property
+    def end(self) -> int:
+        return self.start + self.local_len
+
+    def shard_start(self, rank: int) -> int:
+        return rank * self.local_len
+
+    def doc_of(self, position: int) -> int:
+        """Index of the global document holding token `position`."""
+        return bisect.bisect_right(self.global_cu, position) - 1
+
+    def crosses(self, boundary_rank: int) -> bool:
+        """Does a document continue from rank boundary_rank - 1 into rank boundary_rank?"""
+        if boundary_rank <= 0 or boundary_rank >= self.size:
+            return False
+        return self.shard_start(boundary_rank) not in self._cu_set
+
+    @property
+    def _cu_set(self) -> set:
+        cached = self.__dict__.get("_cu_set_cache")
+        if cached is None:
+            cached = self.__dict__["_cu_set_cache"] = set(self.global_cu)
+        return cached
+
+    @property
+    def continues_from_prev(self) -> bool:
+        return self.crosses(self.rank)
+
+    @property
+    def continues_to_next(self) -> bool:
+        return self.crosses(self.rank + 1)
+
+    @property
+    def local_cu_list(self) -> list:
+        inner = [c - self.start for c in self.global_cu if self.start < c < self.end]
+        return [0, *inner, self.local_len]
+
+    @property
+    def local_cu_seqlens(self) -> torch.Tensor:
+        return torch.tensor(self.local_cu_list, dtype=torch.long, device=self.device)
+
+    @property
+    def num_local_docs(self) -> int:
+        return len(self.local_cu_list) - 1
+
+    @property
+    def docs_starting_here(self) -> int:
+        return self.num_local_docs - int(self.continues_from_prev)
+
+    @property
+    def docs_ending_here(self) -> int:
+        return self.num_local_docs - int(self.continues_to_next)
+
+    def ranks_spanned(self, doc: int) -> range:
+        """The ranks that hold tokens of global document `doc`."""
+        first = self.global_cu[doc] // self.local_len
+        last = (self.global_cu[doc + 1] - 1) // self.local_len
+        return range(first, last + 1)
+
+    def halo_len(self, width: int, rank: Optional[int] = None) -> int:
+        """Tokens of the same document, at most `width`, that rank `rank` needs from before its shard."""
+        rank = self.rank if rank is None else rank
+        if width <= 0 or not self.crosses(rank):
+            return 0
+        start = self.shard_start(rank)
+        return min(width, start - self.global_cu[self.doc_of(start)])
+
+    def local_doc_ids(self) -> torch.Tensor:
+        """Global document index of each local token."""
+        cu = torch.tensor(self.global_cu, dtype=torch.long)
+        positions = torch.arange(self.start, self.end)
+        return (torch.bucketize(positions, cu, right=True) - 1).to(self.device)
+
+    def local_positions(self) -> torch.Tensor:
+        """Position of each local token inside its (global) document."""
+        cu = torch.tensor(self.global_cu, dtype=torch.long)
+        positions = torch.arange(self.start, self.end)
+        return (positions - cu[torch.bucketize(positions, cu, right=True) - 1]).to(self.device)
+
+    # ------------------------------------------------------------------ communication bookkeeping
+    def global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def wait_pending(self) -> None:
+        """Wait for every asynchronous send started so far (each completes once its receive is
+        posted). Call after the forward and after the backward of a step."""
+        wait_pending_sends()
+
+
+def wait_pending_sends() -> None:
+    while _PENDING_SENDS:
+        _PENDING_SENDS.pop(0).wait()
+
+
+def shard_bounds(total: int, cp_size: int, cp_rank: int, field_name: str = "the packed length") -> tuple:
+    """[start, end) of a rank's contiguous shard; the length must divide evenly."""
+    if cp_size < 1:
+        raise ValueError(f"parallel.cp={cp_size} must be >= 1")
+    if total < cp_size:
+        raise ValueError(f"{field_name} = {total} leaves CP shards shorter than one token at parallel.cp={cp_size}; "
+                         f"lower parallel.cp or lengthen the sequence")
+    if total % cp_size:
+        raise ValueError(f"{field_name} = {total} is not divisible by parallel.cp={cp_size}; choose a length "
+                         f"that is a multiple of the CP degree (no padding is added)")
+    local = total // cp_size
+    return cp_rank * local, (cp_rank + 1) * local
+
+
+def as_cp_context(cp_group, cu_seqlens: Optional[torch.Tensor], local_len: int,
+                  algorithm: Optional[str], device) -> CPContext:
+    """Ops accept a prebuilt CPContext (model level, built once per batch) or a process group plus
+    the global `cu_seqlens` (op level)."""
+    if isinstance(cp_group, CPContext):
+        if local_len != cp_group.local_len:
+            raise ValueError(f"the local tensors have {local_len} tokens but the CP context plans "
+                             f"{cp_group.local_len} per rank")
+        if algorithm is not None and algorithm != cp_group.algorithm:
+            return CPContext(cp_group.group, cp_group.rank, cp_group.size, cp_group.global_cu,
+                             cp_group.local_len, algorithm, cp_group.device, cp_group.pending)
+        return cp_group
+    return CPContext.build(cp_group, cu_seqlens, local_len, algorithm or "relay", device)
+
+
+def sequence_lengths(cu: Sequence[int]) -> list:
+    return [b - a for a, b in zip(cu, cu[1:])]

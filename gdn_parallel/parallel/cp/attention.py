@@ -1,0 +1,43 @@
+"""Attention on a CP shard.
+
+Sliding window: the previous window-1 keys and values (after RoPE) of the same document arrive as
+a halo from as many previous ranks as needed; their gradients go back. Flows forward only, so it
+keeps the relay's wavefront. Full causal attention all-gathers K and V (lockstep, and the last rank
+does the most work under a contiguous split; a balanced layout is a later step).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...ops.attention import masked_attention
+from ..context import CPContext
+from .halo import exchange_halo
+from .p2p import all_gather, tie
+
+
+def cp_attention(q, k, v, *, window: Optional[int], scale, impl: str, cp: CPContext) -> torch.Tensor:
+    if q.shape[0] != 1:
+        raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
+    device = q.device
+    q_index = torch.arange(cp.start, cp.end, device=device)
+    q_doc = cp.local_doc_ids().to(device)
+    token = None
+    if window is None:
+        k_all = all_gather(cp, torch.cat([k[0], v[0]], dim=-1))           # [P, L, HKV, Dk + Dv]
+        kv = k_all.reshape(1, cp.total, *k_all.shape[2:])
+        k_index = torch.arange(cp.total, device=device)
+        cu = torch.tensor(cp.global_cu, device=device)
+        k_doc = torch.bucketize(k_index, cu, right=True) - 1
+    else:
+        kv_local = torch.cat([k, v], dim=-1)
+        halo, token = exchange_halo(cp, kv_local, window - 1, q)
+        kv = kv_local if halo is None else torch.cat([halo, kv_local], dim=1)
+        h = 0 if halo is None else halo.shape[1]
+        k_index = torch.arange(cp.start - h, cp.end, device=device)
+        k_doc = torch.cat([torch.full((h,), cp.doc_of(cp.start), device=device), q_doc])
+    k_ext, v_ext = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    o = masked_attention(q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc,
+                         window=window, scale=scale, impl=impl)
+    return tie(o, token)

@@ -1,0 +1,74 @@
+"""Model-level context parallelism: shard a packed batch, take the global loss, reduce gradients.
+
+The loss of a shard is its summed cross-entropy divided by the *global* label count, so the sum of
+the ranks' losses is the single-device loss and the sum of their gradients is its gradient.
+Parameters are replicated over CP; their gradients are summed over the CP group (folded into the
+dp x cp reduction by the data-parallel wrapper).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...model.sequence import SequenceInfo
+from ..context import CPContext, shard_bounds, wait_pending_sends
+
+
+@dataclass
+class CPShard:
+    input_ids: torch.Tensor       # [1, L]
+    labels: torch.Tensor          # [1, L]
+    position_ids: torch.Tensor    # [1, L] positions inside the (global) documents
+    context: CPContext
+    num_label_tokens: int         # over the whole row, all ranks
+
+    def sequence_info(self) -> SequenceInfo:
+        return SequenceInfo(cu_seqlens=None, position_ids=self.position_ids, cp=self.context)
+
+
+def shard_batch(batch, cp_rank: int, cp_size: int, group: Optional[dist.ProcessGroup] = None,
+                algorithm: str = "relay") -> CPShard:
+    """Split a packed batch (input_ids/labels/position_ids [1, total], cu_seqlens) contiguously and
+    return rank `cp_rank`'s shard with its CP plan. The labels were made on the whole row, so the
+    last token of a shard keeps the first token of the next shard as its label."""
+    if batch.input_ids.dim() != 2 or batch.input_ids.shape[0] != 1:
+        raise ValueError(f"context parallelism takes one packed row [1, total], got input_ids of shape "
+                         f"{tuple(batch.input_ids.shape)}")
+    total = batch.input_ids.shape[1]
+    start, end = shard_bounds(total, cp_size, cp_rank, "train.seq_len * train.batch_size")
+    context = CPContext.build(group, batch.cu_seqlens, end - start, algorithm,
+                              device=batch.input_ids.device, rank=cp_rank, size=cp_size)
+    positions = batch.position_ids if batch.position_ids is not None else None
+    if positions is None:
+        from ...ops.rope import positions_from_cu_seqlens
+        positions = positions_from_cu_seqlens(batch.cu_seqlens, total).unsqueeze(0)
+    return CPShard(
+        input_ids=batch.input_ids[:, start:end],
+        labels=batch.labels[:, start:end],
+        position_ids=positions[:, start:end],
+        context=context,
+        num_label_tokens=int((batch.labels != -100).sum()),
+    )
+
+
+def cp_loss(model, shard: CPShard) -> torch.Tensor:
+    """This rank's share of the global mean loss (sums to the single-device loss over the group)."""
+    out = model(shard.input_ids, labels=shard.labels, seq=shard.sequence_info())
+    wait_pending_sends()
+    return out.loss_sum / max(shard.num_label_tokens, 1)
+
+
+def all_reduce_gradients(model: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Sum parameter gradients over the CP group (one flat buffer: one collective)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,21 @@
+"""Causal short convolution on a CP shard: the previous kernel-1 tokens arrive as a halo."""
+from __future__ import annotations
+
+import torch
+
+from ...ops.short_conv import causal_conv1d
+from ..context import CPContext
+from .halo import exchange_halo
+from .p2p import tie
+
+
+def cp_causal_conv1d(x, weight, bias, activation, cp: CPContext) -> torch.Tensor:
+    B, _, D = x.shape
+    width = weight.shape[1] - 1
+    anchors = tuple(t for t in (weight, bias) if t is not None)
+    halo, token = exchange_halo(cp, x, width, *anchors)
+    prefix = None
+    if halo is not None:  # zeros stand for positions before the document's start
+        prefix = torch.cat([x.new_zeros(B, width - halo.shape[1], D), halo], dim=1)
+    y = causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cp.local_cu_seqlens, prefix=prefix)
+    return tie(y, token)

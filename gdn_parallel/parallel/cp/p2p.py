@@ -1,0 +1,115 @@
+"""Differentiable hand-overs between neighbouring CP ranks.
+
+Forward data flows from rank r to rank r + 1 only; its gradient flows back from r + 1 to r in the
+backward. Both sides are asynchronous where the next computation does not need the result:
+a receive is posted early and waited on when needed; a send returns at once.
+
+Autograd wiring: `send_to_next` returns a zero scalar "token" that the caller adds to its output, so
+that the backward reaches the send's node and receives the gradient from rank r + 1 there. Nodes
+created after the send (the outputs) are backpropagated first, then the token's node waits for the
+incoming gradient, then the work that needs it runs: the backward mirrors the forward's overlap.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..context import CPContext
+
+
+class PendingRecv:
+    """A receive from rank r - 1 posted before the work that does not need it."""
+
+    def __init__(self, cp: CPContext, shape, dtype, device):
+        self.cp = cp
+        self.buffer = torch.empty(shape, dtype=dtype, device=device)
+        self.work = dist.irecv(self.buffer, src=cp.global_rank(cp.rank - 1), group=cp.group)
+
+    def wait(self, *anchors: torch.Tensor) -> torch.Tensor:
+        """The received tensor, differentiable: its gradient is sent back to rank r - 1.
+
+        `anchors` are inputs of the op that may require grad; they only connect the receive to the
+        autograd graph (their gradient from here is zero).
+        """
+        self.work.wait()
+        grads_wanted = torch.is_grad_enabled() and any(a.requires_grad for a in anchors)
+        if not grads_wanted:
+            return self.buffer
+        return _ReceivedFromPrev.apply(self.buffer, self.cp, *anchors)
+
+
+def post_recv_from_prev(cp: CPContext, shape, dtype, device) -> Optional[PendingRecv]:
+    return PendingRecv(cp, shape, dtype, device)
+
+
+def send_to_next(cp: CPContext, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """Start sending `tensor` to rank r + 1. Returns a zero token to add to the op's output (or None
+    when no gradient is needed)."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _SentToNext.apply(tensor, cp)
+    _isend(cp, tensor.detach().contiguous(), cp.rank + 1)
+    return None
+
+
+def tie(output: torch.Tensor, token: Optional[torch.Tensor]) -> torch.Tensor:
+    """Make the backward of `output` pass through a send's gradient receive."""
+    return output if token is None else output + token.to(output.dtype)
+
+
+def _isend(cp: CPContext, tensor: torch.Tensor, dst: int) -> None:
+    cp.pending[:] = [w for w in cp.pending if not w.is_completed()]
+    cp.pending.append(dist.isend(tensor, dst=cp.global_rank(dst), group=cp.group))
+
+
+class _ReceivedFromPrev(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer, cp, *anchors):
+        ctx.cp = cp
+        ctx.num_anchors = len(anchors)
+        return buffer.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _isend(ctx.cp, grad.contiguous(), ctx.cp.rank - 1)
+        return (None, None) + (None,) * ctx.num_anchors
+
+
+class _SentToNext(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, cp):
+        ctx.cp = cp
+        ctx.meta = (tensor.shape, tensor.dtype, tensor.device)
+        _isend(cp, tensor.detach().contiguous(), cp.rank + 1)
+        return tensor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _unused):
+        shape, dtype, device = ctx.meta
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(grad, src=ctx.cp.global_rank(ctx.cp.rank + 1), group=ctx.cp.group)
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along a new leading dim; backward sums every rank's gradient of the gathered
+    tensor (all-reduce, which gloo supports unlike reduce-scatter) and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, tensor, cp):
+        ctx.cp = cp
+        out = [torch.empty_like(tensor) for _ in range(cp.size)]
+        dist.all_gather(out, tensor.contiguous(), group=cp.group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.cp.group)
+        return grad[ctx.cp.rank], None
+
+
+def all_gather(cp: CPContext, tensor: torch.Tensor) -> torch.Tensor:
+    """[*] -> [cp.size, *], differentiable."""
+    return _AllGather.apply(tensor, cp)

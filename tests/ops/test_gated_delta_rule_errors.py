@@ -1,0 +1,98 @@
+"""Bad inputs fail early with a ValueError that names the argument."""
+import pytest
+import torch
+
+from gdn_parallel.ops.gated_delta_rule import gated_delta_rule, summarize_segment
+from tests.ops.gdn_inputs import gdn_inputs
+
+
+def base(B=1, T=8, H=2, HV=2, K=4, V=4):
+    return gdn_inputs(B, T, H, HV, K, V, dtype=torch.float32, requires_grad=False)
+
+
+def call(q, k, v, g, beta, h0=None, **kw):
+    return gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw)
+
+
+def test_k_shape_mismatch():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="k has shape"):
+        call(q, k[:, :, :1], v, g, beta)
+
+
+def test_dtype_mismatch():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="dtype"):
+        call(q, k, v.double(), g, beta)
+
+
+def test_value_heads_not_multiple():
+    q, k, v, g, beta, _ = base(H=2, HV=3)
+    with pytest.raises(ValueError, match="multiple"):
+        call(q, k, v, g, beta)
+
+
+def test_head_dim_too_large():
+    q, k, v, g, beta, _ = base(K=257)
+    with pytest.raises(ValueError, match="256"):
+        call(q, k, v, g, beta)
+
+
+def test_positive_g():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="g is the log decay"):
+        call(q, k, v, g.abs() + 0.1, beta)
+
+
+def test_g_and_beta_shapes():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="^g must"):
+        call(q, k, v, g[:, :-1], beta)
+    with pytest.raises(ValueError, match="^beta must"):
+        call(q, k, v, g, beta[..., :1])
+
+
+@pytest.mark.parametrize("cu,match", [
+    ([1, 4, 8], "start at 0"),
+    ([0, 4, 4, 8], "be strictly increasing"),
+    ([0, 5, 3, 8], "be strictly increasing"),
+    ([0, 4, 7], "end at"),
+])
+def test_bad_cu_seqlens(cu, match):
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match=f"cu_seqlens must {match}"):
+        call(q, k, v, g, beta, cu_seqlens=torch.tensor(cu))
+
+
+def test_float_cu_seqlens():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="cu_seqlens must hold integers"):
+        call(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 8.0]))
+
+
+def test_batch_with_cu_seqlens():
+    q, k, v, g, beta, _ = base(B=2)
+    with pytest.raises(ValueError, match="cu_seqlens is given with batch size 2"):
+        call(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="cu_seqlens is given with batch size 2"):
+        summarize_segment(k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_initial_state_shape_and_count():
+    q, k, v, g, beta, h0 = base()
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        call(q, k, v, g, beta, h0[..., :2])
+    with pytest.raises(ValueError, match="initial_state has 1 states but there are 2"):
+        call(q, k, v, g, beta, h0, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+def test_unknown_impl():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="impl="):
+        call(q, k, v, g, beta, impl="fast")
+
+
+def test_triton_without_kernels_is_a_clear_error():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(RuntimeError, match="impl='triton' needs"):
+        call(q, k, v, g, beta, impl="triton")

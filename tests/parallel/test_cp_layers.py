@@ -1,0 +1,88 @@
+"""Short conv and attention under context parallelism equal one process (halos incl. multi-hop)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from gdn_parallel.ops.attention import attention
+from gdn_parallel.ops.short_conv import causal_conv1d
+from tests.parallel.launcher import run_workers
+
+
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def summed(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def conv_case(rank, world, total, cu, width, seed):
+    gen = torch.Generator().manual_seed(seed)
+    D = 6
+    x = torch.randn(1, total, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(D, width, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(D, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(1, total, D, generator=gen, dtype=torch.float64)
+    cu_t = torch.tensor(cu)
+    y = causal_conv1d(x, w, b, cu_seqlens=cu_t)
+    gx, gw, gb = torch.autograd.grad((y * dy).sum(), (x, w, b))
+
+    L = total // world
+    s, e = rank * L, (rank + 1) * L
+    x_l = x.detach()[:, s:e].clone().requires_grad_()
+    w_l, b_l = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    y_l = causal_conv1d(x_l, w_l, b_l, cu_seqlens=cu_t, cp_group=dist.group.WORLD)
+    (y_l * dy[:, s:e]).sum().backward()
+    from gdn_parallel.parallel.context import wait_pending_sends
+    wait_pending_sends()
+    tag = f"conv cu={cu} width={width} rank={rank}"
+    assert rel_err(y_l, y[:, s:e]) < 1e-12, tag
+    assert rel_err(x_l.grad, gx[:, s:e]) < 1e-12, tag
+    assert rel_err(summed(w_l.grad), gw) < 1e-12, tag
+    assert rel_err(summed(b_l.grad), gb) < 1e-12, tag
+
+
+def attention_case(rank, world, total, cu, window, seed, H=4, HKV=2):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, total, H, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, total, HKV, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, total, HKV, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(1, total, H, 8, generator=gen, dtype=torch.float64)
+    cu_t = torch.tensor(cu)
+    o = attention(q, k, v, window=window, cu_seqlens=cu_t, impl="sdpa")
+    grads = torch.autograd.grad((o * do).sum(), (q, k, v))
+
+    L = total // world
+    s, e = rank * L, (rank + 1) * L
+    local = [t.detach()[:, s:e].clone().requires_grad_() for t in (q, k, v)]
+    o_l = attention(*local, window=window, cu_seqlens=cu_t, impl="sdpa", cp_group=dist.group.WORLD)
+    (o_l * do[:, s:e]).sum().backward()
+    from gdn_parallel.parallel.context import wait_pending_sends
+    wait_pending_sends()
+    tag = f"attention cu={cu} window={window} rank={rank}"
+    assert rel_err(o_l, o[:, s:e]) < 1e-12, tag
+    for t, g in zip(local, grads):
+        assert rel_err(t.grad, g[:, s:e]) < 1e-12, tag
+
+
+def layer_cases(rank, world):
+    total = 8 * world  # shards of 8 tokens
+    doc_layouts = [[0, total], [0, 3, 9, 10, total], [0, 1, 2, total - 1, total]]
+    for i, cu in enumerate(doc_layouts):
+        for width in (2, 4):
+            conv_case(rank, world, total, cu, width, seed=10 * i + width)
+        for window in (1, 3, 8, 13, 100, None):  # 13 and 100 need several hops
+            attention_case(rank, world, total, cu, window, seed=10 * i + (window or 0))
+    # a shard shorter than the conv halo (multi-hop conv): shards of 2 tokens, kernel 4
+    conv_case(rank, world, 2 * world, [0, 2 * world], 4, seed=77)
+    conv_case(rank, world, 2 * world, [0, 1, 2 * world], 4, seed=78)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_conv_and_attention_match_single_process(world):
+    assert all(run_workers(layer_cases, world))

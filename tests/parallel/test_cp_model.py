@@ -1,0 +1,92 @@
+"""HybridLM (G, S and A layers) under context parallelism equals one process: loss, every
+parameter gradient, and the parameters after a few AdamW steps."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gdn_parallel.config import ModelConfig
+from gdn_parallel.data.packing import PackedBatch
+from gdn_parallel.model import HybridLM
+from gdn_parallel.parallel.cp.batch import all_reduce_gradients, cp_loss, shard_batch
+from gdn_parallel.ops.rope import positions_from_cu_seqlens
+from tests.parallel.launcher import run_workers
+
+TOTAL = 48
+
+
+def make_batch(cu, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (1, TOTAL), generator=gen)
+    labels = torch.full_like(ids, -100)
+    for s, e in zip(cu[:-1], cu[1:]):
+        labels[0, s:e - 1] = ids[0, s + 1:e]
+    cu_t = torch.tensor(cu)
+    return PackedBatch(ids, labels, positions_from_cu_seqlens(cu_t, TOTAL).unsqueeze(0), cu_t)
+
+
+def model_config(algorithm_window):
+    return ModelConfig(vocab_size=64, hidden_size=32, n_layers=3, layer_pattern="GSA", gdn_num_heads=2,
+                       gdn_num_v_heads=4, gdn_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2,
+                       window_size=algorithm_window, gdn_chunk_size=8, intermediate_size=48)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def train_equal(rank, world, algorithm, window):
+    torch.manual_seed(0)
+    reference = HybridLM(model_config(window)).double()
+    model = copy.deepcopy(reference)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    layouts = [[0, TOTAL], [0, 5, 19, 20, 40, TOTAL], [0, 1, 30, 31, TOTAL]]
+    for step, cu in enumerate(layouts):
+        batch = make_batch(cu, seed=step)
+        out = reference(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
+        out.loss.backward()
+
+        shard = shard_batch(batch, rank, world, dist.group.WORLD, algorithm)
+        loss = cp_loss(model, shard)
+        loss.backward()
+        shard.context.wait_pending()
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss)
+        all_reduce_gradients(model, dist.group.WORLD)
+
+        tag = f"{algorithm} window={window} step={step} rank={rank}"
+        assert rel_err(total_loss, out.loss.detach()) < 1e-12, tag
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            assert rel_err(p.grad, p_ref.grad) < 1e-9, f"{name} grad, {tag}"
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            assert rel_err(p.detach(), p_ref.detach()) < 1e-9, f"{name} after step, {tag}"
+    return True
+
+
+def all_model_cases(rank, world):
+    for algorithm in ("relay", "allgather"):
+        train_equal(rank, world, algorithm, window=5)
+    train_equal(rank, world, "relay", window=30)   # SWA halo over several ranks at CP=4
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_hybrid_lm_matches_single_process(world):
+    assert all(run_workers(all_model_cases, world))
+
+
+def test_shard_batch_validates_the_split():
+    batch = make_batch([0, TOTAL], 0)
+    with pytest.raises(ValueError, match="train.seq_len \\* train.batch_size = 48 is not divisible by parallel.cp=5"):
+        shard_batch(batch, 0, 5)
+    with pytest.raises(ValueError, match="shorter than one token"):
+        shard_batch(make_batch([0, TOTAL], 0), 0, 96)
+    shard = shard_batch(batch, 1, 4)
+    assert shard.input_ids.shape == (1, 12) and shard.num_label_tokens == TOTAL - 1
+    assert shard.context.continues_from_prev and shard.context.continues_to_next
