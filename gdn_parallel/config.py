@@ -173,15 +173,92 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The device mesh pp x dp x cp x tp (innermost last) and how each dimension is applied."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"          # 1f1b | interleaved
+    microbatches: int = 1
+    virtual_stages: int = 1            # pipeline stages per pp rank (interleaved schedule)
+    data_parallel: str = "fsdp"        # fsdp (FSDP2 over dp, replicated over cp) | ddp
+    cp_algorithm: str = "relay"        # relay | allgather (DESIGN §2)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def validate(self, model: Optional[ModelConfig] = None, train: Optional["TrainConfig"] = None,
+                 world_size: Optional[int] = None) -> "ParallelConfig":
+        for name in ("tp", "pp", "cp", "dp", "microbatches", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        for name, allowed in (("pp_schedule", ("1f1b", "interleaved")), ("data_parallel", ("fsdp", "ddp")),
+                              ("cp_algorithm", ("relay", "allgather"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)!r}; choose one of {allowed}")
+        if world_size is not None and self.world_size != world_size:
+            raise ConfigError(
+                f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} but "
+                f"the job has {world_size} processes; make the product equal the world size")
+        if self.pp_schedule == "interleaved" and self.virtual_stages < 2 and self.pp > 1:
+            raise ConfigError("parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2")
+        if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
+            raise ConfigError(f"parallel.virtual_stages={self.virtual_stages} needs "
+                              f"parallel.pp_schedule=interleaved (1f1b has one stage per rank)")
+        if self.pp > 1 and self.microbatches < self.pp:
+            raise ConfigError(f"parallel.microbatches={self.microbatches} < parallel.pp={self.pp}: a pipeline "
+                              f"schedule needs at least one microbatch per stage; raise microbatches")
+        if model is not None:
+            self._validate_model(model)
+        if train is not None:
+            self._validate_train(train)
+        return self
+
+    def _validate_model(self, model: ModelConfig) -> None:
+        tp = self.tp
+        checks = [("model.gdn_num_heads", model.gdn_num_heads), ("model.gdn_num_v_heads", model.num_v_heads),
+                  ("model.attn_num_heads", model.attn_num_heads), ("MLP width (model.intermediate_size)",
+                                                                    model.mlp_dim),
+                  ("model.vocab_size", model.vocab_size)]
+        for name, value in checks:
+            if value % tp:
+                raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; choose a tp that "
+                                  f"divides it or change the model")
+        if model.num_kv_heads % tp and tp % model.num_kv_heads:
+            raise ConfigError(f"model.attn_num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must "
+                              f"divide the other (KV heads are split, or replicated when fewer than tp)")
+        stages = self.pp * self.virtual_stages
+        if model.n_layers < stages:
+            raise ConfigError(f"model.n_layers={model.n_layers} < pipeline stages parallel.pp * "
+                              f"virtual_stages = {stages}; use fewer stages or more layers")
+
+    def _validate_train(self, train: "TrainConfig") -> None:
+        if train.batch_size % self.microbatches:
+            raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by parallel.microbatches="
+                              f"{self.microbatches}")
+        row = train.batch_size // self.microbatches * train.seq_len
+        split = self.cp * (self.tp if self.sequence_parallel else 1)
+        if row % split:
+            what = "parallel.cp * parallel.tp (sequence parallel)" if self.sequence_parallel else "parallel.cp"
+            raise ConfigError(f"a microbatch row of train.seq_len * batch_size / microbatches = {row} tokens "
+                              f"is not divisible by {what} = {split}; no padding is added")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def validate(self) -> "Config":
+    def validate(self, world_size: Optional[int] = None) -> "Config":
         self.model.validate()
         self.data.validate()
         self.train.validate()
+        self.parallel.validate(self.model, self.train, world_size)
         return self
 
     def to_dict(self) -> dict:
@@ -227,7 +304,7 @@ class Config:
 
 
 def _positive(obj, *names):
-    section = {ModelConfig: "model", TrainConfig: "train"}.get(type(obj), "config")
+    section = {ModelConfig: "model", TrainConfig: "train", ParallelConfig: "parallel"}.get(type(obj), "config")
     for name in names:
         value = getattr(obj, name)
         if value is None or value <= 0:

@@ -25,7 +25,7 @@ def setup_distributed(timeout_s: float = 300.0):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -114,7 +114,8 @@ def measure(step, warmup: int, iters: int, device: torch.device) -> dict:
 def env_info(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(),
             "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+            "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else platform.processor() or "cpu")}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -136,7 +137,7 @@ def print_table(rows: list, columns: list) -> None:
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     for r in cells:
         print("  ".join(c.ljust(w) if spec == "s" else c.rjust(w)
-                        for c, w, (_, _, spec) in zip(r, widths, columns)))
+                        for c, w, (_, _, spec) in zip(r, widths, columns, strict=True)))
     print(flush=True)
 
 

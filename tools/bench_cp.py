@@ -13,6 +13,7 @@ context parallelism when `import fla` works (CUDA only).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -22,15 +23,15 @@ import torch.nn.functional as F
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from bench_common import env_info, free_memory, measure, print_table, setup_distributed, write_json  # noqa: E402
+from bench_common import env_info, free_memory, measure, print_table, setup_distributed, write_json
 
-from gdn_parallel.config import ModelConfig  # noqa: E402
-from gdn_parallel.data.packing import PackedBatch, pack_pieces  # noqa: E402
-from gdn_parallel.model import HybridLM  # noqa: E402
-from gdn_parallel.ops.gated_delta_rule import gated_delta_rule  # noqa: E402
-from gdn_parallel.ops.rope import positions_from_cu_seqlens  # noqa: E402
-from gdn_parallel.parallel.context import CPContext, wait_pending_sends  # noqa: E402
-from gdn_parallel.parallel.cp.batch import cp_loss, shard_batch  # noqa: E402
+from gdn_parallel.config import ModelConfig
+from gdn_parallel.data.packing import PackedBatch, pack_pieces
+from gdn_parallel.model import HybridLM
+from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
+from gdn_parallel.ops.rope import positions_from_cu_seqlens
+from gdn_parallel.parallel.context import CPContext, wait_pending_sends
+from gdn_parallel.parallel.cp.batch import cp_loss, shard_batch
 
 PATTERNS = {"gdn": "G", "h1": "GS"}
 COLUMNS = [("level", "level", "s"), ("model/op", "name", "s"), ("algorithm", "algorithm", "s"),
@@ -41,7 +42,10 @@ COLUMNS = [("level", "level", "s"), ("model/op", "name", "s"), ("algorithm", "al
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    csv = lambda kind: (lambda s: [kind(x) for x in s.split(",") if x])  # noqa: E731
+
+    def csv(kind):  # "a,b,c" -> [kind(a), kind(b), kind(c)]
+        return lambda text: [kind(x) for x in text.split(",") if x]
+
     p.add_argument("--tokens-per-rank", type=csv(int), default=[16384, 65536])
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=2048)
@@ -99,10 +103,9 @@ class Bench:
     def add_row(self, row: dict) -> None:
         """Record a row (efficiency / speed-up filled in when both times exist) and rewrite the
         JSON at once, so a run cut off later keeps what it measured."""
-        t1, tn, tf = row.get("t_cp1_ms"), row.get("t_cpn_ms"), row.get("t_full_ms")
-        number = lambda x: isinstance(x, float)  # noqa: E731 - "oom" / "skipped" are strings
-        row["efficiency"] = t1 / tn if number(t1) and number(tn) else None
-        row["speedup"] = tf / tn if number(tf) and number(tn) else None
+        t1, tn, tf = (row.get(key) for key in ("t_cp1_ms", "t_cpn_ms", "t_full_ms"))
+        row["efficiency"] = ratio(t1, tn)
+        row["speedup"] = ratio(tf, tn)
         self.rows.append(row)
         self.save(complete=False)
 
@@ -110,6 +113,11 @@ class Bench:
         if self.rank == 0:
             write_json(self.args.out, {**self.info, "args": vars(self.args), "notes": self.notes,
                                        "complete": complete, "rows": self.rows})
+
+
+def ratio(a, b):
+    """a / b when both are times ("oom" / "skipped" are strings), else None."""
+    return a / b if isinstance(a, float) and isinstance(b, float) else None
 
 
 def ms(result: dict):
@@ -133,7 +141,7 @@ def packed_row(total: int, docs: int, vocab: int, device) -> PackedBatch:
     """Random tokens as `docs` documents; cu_seqlens stays on the host (plans read it there)."""
     ids = torch.randint(0, vocab, (total,), generator=torch.Generator().manual_seed(0))
     cu = global_cu(total, docs)
-    batch = pack_pieces([ids[a:b] for a, b in zip(cu, cu[1:])])
+    batch = pack_pieces([ids[a:b] for a, b in itertools.pairwise(cu)])
     return PackedBatch(batch.input_ids.to(device), batch.labels.to(device), batch.position_ids.to(device),
                        batch.cu_seqlens)
 
@@ -162,12 +170,12 @@ def bench_model(b: Bench, kind: str, tokens: int, model: HybridLM) -> None:
         if cp1["oom"]:
             # Same tokens per rank plus hand-over buffers: it would OOM too, and an OOM mid-relay
             # leaves the peers waiting on a message that never comes.
-            row["t_cpn_ms"] = "skipped (cp=1 oom)"
+            row["t_cpn_ms"] = "skipped"
             b.add_row(row)
             continue
         shard = shard_batch(batch, b.rank, b.world, b.group, algorithm)
 
-        def cp_step():
+        def cp_step(shard=shard):
             model.zero_grad(set_to_none=True)
             cp_loss(model, shard).backward()
             wait_pending_sends()
@@ -205,9 +213,9 @@ def fla_functions(b: Bench):
     if b.args.no_fla or b.device.type != "cuda":
         return None
     try:
+        from fla.ops.common import chunk_o
         from fla.ops.cp import build_cp_context
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        import fla.ops.common.chunk_o as chunk_o
     except Exception as err:  # noqa: BLE001 - any import failure just means "no fla row"
         b.log(f"fla not used: {type(err).__name__}: {err}")
         return None
@@ -238,18 +246,19 @@ def bench_op(b: Bench, tokens: int, fla) -> None:
         row = {"level": "op", "name": name, "algorithm": algorithm, "tokens_per_rank": tokens,
                "t_cp1_ms": ms(cp1), "t_full_ms": ms(one)}
         if cp1["oom"]:
-            b.add_row({**row, "t_cpn_ms": "skipped (cp=1 oom)"})
+            b.add_row({**row, "t_cpn_ms": "skipped"})
             continue
         # A prebuilt plan, as the model passes it: no per-call planning or host reads of cu_seqlens.
         cp = CPContext.build(b.group, cu_full, tokens, algorithm, b.device)
         cpn = b.time(f"op {name} T/rank={tokens} cp={n} {algorithm}", op_step(ours(None, cp), local))
         b.add_row({**row, "t_cpn_ms": ms(cpn)})
     if fla is not None:
-        bench_fla_op(b, tokens, fla, full, local, cu_full, plan, name)
+        bench_fla_op(b, tokens, fla, full, local, cu_full, cu_local, cu_all, name)
     free_memory(b.device)
 
 
-def bench_fla_op(b: Bench, tokens, fla, full, local, cu_full, plan, name) -> None:
+def bench_fla_op(b: Bench, tokens, fla, full, local, cu_full, cu_local, cu_all, name) -> None:
+    """The same three timings with fla-core's chunk_gated_delta_rule and its own CP."""
     chunk_gdn, build_cp_context = fla
 
     def single(cu):  # host copy of the boundaries given too: fla then skips its device->host read
@@ -261,17 +270,17 @@ def bench_fla_op(b: Bench, tokens, fla, full, local, cu_full, plan, name) -> Non
 
     row = {"level": "op", "name": name, "algorithm": "fla-cp (timing only)", "tokens_per_rank": tokens}
     try:
-        local_cu = None if plan.num_local_docs == 1 else torch.tensor(plan.local_cu_list)
-        cp1 = b.time(f"op fla T/rank={tokens} cp=1", op_step(single(local_cu), local))
-        one = cp1 if b.world == 1 else b.time(
-            f"op fla T={tokens * b.world} on one rank",
-            op_step(single(None if b.args.docs == 1 else torch.tensor(cu_full)), full))
+        cp1 = b.time(f"op fla T/rank={tokens} cp=1", op_step(single(cu_local), local))
+        one = cp1 if b.world == 1 else b.time(f"op fla T={tokens * b.world} on one rank",
+                                              op_step(single(cu_all), full))
         row.update(t_cp1_ms=ms(cp1), t_full_ms=ms(one))
         if cp1["oom"]:
-            row["t_cpn_ms"] = "skipped (cp=1 oom)"
+            row["t_cpn_ms"] = "skipped"
         else:  # built once per batch, like our plan (it reads the boundaries on the host)
-            ctx = build_cp_context(torch.tensor(cu_full, device=b.device), group=b.group, conv1d_kernel_size=None)
-            row["t_cpn_ms"] = ms(b.time(f"op fla T/rank={tokens} cp={b.world}", op_step(context_parallel, local)))
+            ctx = build_cp_context(torch.tensor(cu_full, device=b.device), group=b.group,
+                                   conv1d_kernel_size=None)
+            cpn = b.time(f"op fla T/rank={tokens} cp={b.world}", op_step(context_parallel, local))
+            row["t_cpn_ms"] = ms(cpn)
     except Exception as err:  # noqa: BLE001 - fla failing is a result to report, not a crash
         b.log(f"fla failed: {type(err).__name__}: {err}")
         row["error"] = f"{type(err).__name__}: {err}"[:500]
@@ -281,14 +290,15 @@ def bench_fla_op(b: Bench, tokens, fla, full, local, cu_full, plan, name) -> Non
 def main(argv=None) -> int:
     args = parse_args(argv)
     b = Bench(args)
-    b.log(f"{b.info['device']}, world {b.world}, {b.dtype}, torch {b.info['torch']}, triton {b.info['triton']}; "
-          f"writing {args.out}")
+    b.log(f"{b.info['device']}, world {b.world}, {b.dtype}, torch {b.info['torch']}, "
+          f"triton {b.info['triton']}; writing {args.out}")
     tokens_list = sorted(args.tokens_per_rank)  # small first: an OOM at the end loses least
     if "model" in args.levels:
         for kind in args.model:
             torch.manual_seed(0)
             model = HybridLM(model_config(args, kind)).to(b.device, b.dtype)
-            b.log(f"model {kind}: {model.config.layer_types}, {model.num_parameters() / 1e6:.1f} M parameters")
+            b.log(f"model {kind}: {model.config.layer_types}, "
+                  f"{model.num_parameters() / 1e6:.1f} M parameters")
             for tokens in tokens_list:
                 bench_model(b, kind, tokens, model)
             del model

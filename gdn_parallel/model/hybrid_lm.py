@@ -9,18 +9,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..ops.rope import positions_from_cu_seqlens
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
+from .loss import IGNORE_INDEX, TokenCrossEntropy
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .sequence import SequenceInfo
-
-IGNORE_INDEX = -100
 
 
 def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:
@@ -64,6 +62,7 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(s, config) for s in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.criterion = TokenCrossEntropy()
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embeddings.weight
@@ -106,12 +105,7 @@ class HybridLM(nn.Module):
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         """Summed cross-entropy over tokens with a label, and their count (for global means)."""
-        logits = self.lm_head(hidden)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss, int((labels != IGNORE_INDEX).sum())
+        return self.criterion(self.lm_head(hidden), labels), int((labels != IGNORE_INDEX).sum())
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .rope import document_ids_from_cu_seqlens
-from .validation import check_cu_seqlens
+from .validation import check_cu_seqlens, values_checked
 
 __all__ = ["masked_attention", "attention", "attention_reference"]
 
@@ -165,8 +165,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_ind
     k_index = _check_index("k_index", k_index, Tk, q.device)
     q_doc = _check_index("q_doc", q_doc, Tq, q.device)
     k_doc = _check_index("k_doc", k_doc, Tk, q.device)
-    blind = _queries_without_keys(q_index, k_index, q_doc, k_doc, window)
-    if bool(blind.any()):
+    blind = (_queries_without_keys(q_index, k_index, q_doc, k_doc, window) if values_checked(q)
+             else None)
+    if blind is not None and bool(blind.any()):
         first = int(blind.nonzero()[0, 0])
         raise ValueError(f"query {first} (q_index {int(q_index[first])}, q_doc {int(q_doc[first])}) sees no key "
                          f"under window={window}: k_index/k_doc must include its own token or earlier tokens "

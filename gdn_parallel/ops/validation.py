@@ -1,9 +1,19 @@
 """Argument checks shared by the ops: each failure is a ValueError that names the argument."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
+
+
+def values_checked(x: torch.Tensor) -> bool:
+    """Whether to run checks that read tensor values on the host.
+
+    On GPUs such a read is a device sync, which stalls the host and, under context parallelism,
+    the wavefront of ranks; there the checks run only with GDN_PARALLEL_CHECK_VALUES=1.
+    """
+    return x.device.type == "cpu" or os.environ.get("GDN_PARALLEL_CHECK_VALUES") == "1"
 
 
 def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], batch: int, total: int,

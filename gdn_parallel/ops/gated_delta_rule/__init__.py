@@ -2,12 +2,11 @@
 form (`chunk`) and, on CUDA, the Triton kernels (`triton`). See DESIGN §1."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from ..validation import check_cu_seqlens
+from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_factors, chunk_gated_delta_rule
 from .layout import build_layout
 from .naive import naive_recurrence
@@ -162,12 +161,6 @@ def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def _values_checked(x: torch.Tensor) -> bool:
-    # A value check reads the tensor on the host; on GPUs that is a sync that would stall the CP
-    # wavefront, so there it runs only on request.
-    return x.device.type == "cpu" or os.environ.get("GDN_PARALLEL_CHECK_VALUES") == "1"
-
-
 def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor) or x.dim() != rank:
@@ -190,7 +183,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (B, T, HV):
             raise ValueError(f"{name} must have shape [B, T, HV] = {[B, T, HV]}, got {list(x.shape)}")
-    if _values_checked(g) and g.numel() and bool((g > 0).any()):
+    if values_checked(g) and g.numel() and bool((g > 0).any()):
         raise ValueError("g is the log decay and must be <= 0 everywhere (g = -exp(A_log) * softplus(.)); "
                          f"got max {g.max().item():.4g}")
     if initial_state is not None:
