@@ -15,21 +15,13 @@ import torch
 import torch.distributed as dist
 
 from gdn_parallel.config import ModelConfig
-from gdn_parallel.data.packing import PackedBatch
+from gdn_parallel.data.packing import random_packed_row
 from gdn_parallel.model import HybridLM
-from gdn_parallel.ops.rope import positions_from_cu_seqlens
 from gdn_parallel.parallel.cp.batch import all_reduce_gradients, cp_loss, shard_batch
 
 
 def packed_batch(cu, vocab, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    total = cu[-1]
-    ids = torch.randint(0, vocab, (1, total), generator=gen)
-    labels = torch.full_like(ids, -100)
-    for s, e in zip(cu[:-1], cu[1:]):
-        labels[0, s:e - 1] = ids[0, s + 1:e]
-    cu_t = torch.tensor(cu)
-    return PackedBatch(ids, labels, positions_from_cu_seqlens(cu_t, total).unsqueeze(0), cu_t).to(device)
+    return random_packed_row(cu, vocab, seed).to(device)
 
 
 def rel_err(a, b) -> float:

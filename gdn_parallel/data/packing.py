@@ -134,3 +134,18 @@ def packed_batches(documents: Sequence[DocumentLike], seq_len: int, batch_size: 
         if exhausted and (drop_last or not pieces):
             return
         yield pack_pieces(pieces)
+
+
+def random_packed_row(cu_seqlens: Sequence[int], vocab_size: int, seed: int) -> PackedBatch:
+    """Synthetic packed row with the given document boundaries and uniform random tokens (for
+    verification scripts, benchmarks and tests)."""
+    from ..ops.rope import positions_from_cu_seqlens
+
+    gen = torch.Generator().manual_seed(seed)
+    total = int(cu_seqlens[-1])
+    ids = torch.randint(0, vocab_size, (1, total), generator=gen)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        labels[0, s:e - 1] = ids[0, s + 1:e]
+    cu = torch.tensor(list(cu_seqlens), dtype=torch.long)
+    return PackedBatch(ids, labels, positions_from_cu_seqlens(cu, total).unsqueeze(0), cu)

@@ -54,10 +54,11 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
     if not theta > 0:
         raise ValueError(f"theta must be positive, got {theta}")
 
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
-    freqs = position_ids.to(device=x.device, dtype=torch.float32).unsqueeze(-1) * inv_freq  # [B|1, T, D/2]
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
+    freqs = position_ids.to(device=x.device, dtype=dtype).unsqueeze(-1) * inv_freq  # [B|1, T, D/2]
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B|1, T, 1, D]: broadcast over heads
-    xf = x.float()
+    xf = x.to(dtype)
     half = D // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)

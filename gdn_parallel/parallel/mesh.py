@@ -27,11 +27,6 @@ class ParallelDims:
         """dp x cp flattened: parameters are replicated over cp, so gradients reduce over both."""
         return self.mesh["dp", "cp"]._flatten("dp_cp")
 
-    @property
-    def hsdp_mesh(self) -> DeviceMesh:
-        """(replicate over cp, shard over dp) for FSDP2: parameter all-gathers stay inside dp."""
-        return self.mesh["cp", "dp"]
-
 
 def build_mesh(config: ParallelConfig, device_type: str) -> ParallelDims:
     """Validate the layout against the world and build the mesh (needs an initialised process group)."""

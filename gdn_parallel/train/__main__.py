@@ -60,8 +60,14 @@ def run(argv: Optional[List[str]] = None) -> dict:
         config = load_config(args)
     except ConfigError as err:
         parser.error(str(err))
+    from .distributed import is_distributed_launch, run_distributed_training
     from .loop import run_training
     try:
+        if is_distributed_launch():
+            return run_distributed_training(config)
+        if config.parallel.world_size > 1:
+            raise ConfigError(f"parallel.tp * pp * cp * dp = {config.parallel.world_size} needs that many "
+                              f"processes: launch with torchrun --nproc_per_node={config.parallel.world_size}")
         return run_training(config)
     except ConfigError as err:
         parser.error(str(err))

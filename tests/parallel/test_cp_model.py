@@ -7,23 +7,14 @@ import torch
 import torch.distributed as dist
 
 from gdn_parallel.config import ModelConfig
-from gdn_parallel.data.packing import PackedBatch
 from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.cp.batch import all_reduce_gradients, cp_loss, shard_batch
-from gdn_parallel.ops.rope import positions_from_cu_seqlens
 from tests.parallel.launcher import run_workers
+from tests.parallel.batches import make_batch
 
 TOTAL = 48
 
 
-def make_batch(cu, seed):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (1, TOTAL), generator=gen)
-    labels = torch.full_like(ids, -100)
-    for s, e in zip(cu[:-1], cu[1:]):
-        labels[0, s:e - 1] = ids[0, s + 1:e]
-    cu_t = torch.tensor(cu)
-    return PackedBatch(ids, labels, positions_from_cu_seqlens(cu_t, TOTAL).unsqueeze(0), cu_t)
 
 
 def model_config(algorithm_window):

@@ -62,13 +62,19 @@ def cp_loss(model, shard: CPShard) -> torch.Tensor:
 
 
 def all_reduce_gradients(model: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-    """Sum parameter gradients over the CP group (one flat buffer: one collective)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    """Sum parameter gradients over the CP group (one flat all-reduce per dtype)."""
+    all_reduce_flat([p.grad for p in model.parameters() if p.grad is not None], group)
+
+
+def all_reduce_flat(tensors: list, group: Optional[dist.ProcessGroup]) -> None:
+    """Sum tensors in place over `group` with one all-reduce per dtype (flattened together)."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

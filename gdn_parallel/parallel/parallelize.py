@@ -1,0 +1,147 @@
+"""One entry point: apply every parallel dimension to the single-device model (DESIGN §3).
+
+Order: tensor parallelism (slices the weights in place) -> pipeline stages (share those weights)
+-> data parallelism (FSDP2 shards over dp and replicates over cp; or DDP over dp x cp). Context
+parallelism needs no change to the model: each microbatch row is sharded by `shard_batch` and its
+CP plan reaches the ops through SequenceInfo.
+
+Loss convention: every rank's loss is its summed token loss divided by the label count of the
+whole step (all microbatches, all dp replicas), so gradients summed over dp x cp are the exact
+gradient of the single-device mean loss.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ParallelConfig
+from ..model import HybridLM
+from .context import wait_pending_sends
+from .cp.batch import all_reduce_gradients, shard_batch
+from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
+from .mesh import ParallelDims
+from .pipeline import build_pipeline
+from .tensor import apply_tensor_parallel, reduce_tp_partial_grads
+
+
+@dataclass
+class ParallelModel:
+    model: HybridLM                 # the local model object (TP-sliced; holds every stage's layers)
+    train_module: nn.Module         # what runs the forward when pp == 1 (the DDP wrapper, or model)
+    dims: ParallelDims
+    config: ParallelConfig
+    runner: Optional[object] = None  # PipelineRunner when pp > 1
+
+    # ------------------------------------------------------------------ what the trainer drives
+    def parameters(self) -> List[nn.Parameter]:
+        """The parameters this rank trains (its pipeline stages' when pp > 1)."""
+        if self.runner is not None:
+            return list(self.runner.parameters())
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> List[tuple]:
+        if self.runner is not None:
+            return list(self.runner.named_parameters())
+        return list(self.model.named_parameters())
+
+    def train_step(self, rows: Sequence, autocast_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Forward + backward of this dp replica's microbatch rows (PackedBatch, on the device).
+
+        Gradients end reduced over every dimension; returns the step's global mean loss (same on
+        every rank)."""
+        local_labels = sum(int((row.labels != -100).sum()) for row in rows)
+        normalizer = max(global_label_count(local_labels, self.dims), 1)
+        microbatches = [self._shard(row) for row in rows]
+        with _autocast(autocast_dtype, rows[0].input_ids.device):
+            if self.runner is not None:
+                loss = self.runner.step(microbatches, label_normalizer=normalizer)
+            else:
+                loss = self._accumulate(microbatches, normalizer)
+        self._reduce_gradients()
+        return self._global_loss(loss)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.parameters(), max_norm, self.dims)
+
+    # ------------------------------------------------------------------ internals
+    def _shard(self, row):
+        if self.config.cp == 1:
+            return row
+        return shard_batch(row, self.dims.rank("cp"), self.config.cp, self.dims.group("cp"),
+                           self.config.cp_algorithm)
+
+    def _accumulate(self, microbatches, normalizer) -> torch.Tensor:
+        total = None
+        for i, mb in enumerate(microbatches):
+            last = i == len(microbatches) - 1
+            with self._gradient_sync(last):
+                seq = mb.sequence_info() if hasattr(mb, "sequence_info") else self.model.sequence_info(
+                    mb.input_ids, mb.cu_seqlens, mb.position_ids)
+                out = self.train_module(mb.input_ids, labels=mb.labels, seq=seq)
+                wait_pending_sends()
+                loss = out.loss_sum / normalizer
+                loss.backward()
+                wait_pending_sends()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    def _gradient_sync(self, last: bool):
+        """Reduce gradients only with the last microbatch (DDP no_sync / FSDP2 sync switch)."""
+        module = self.train_module
+        if hasattr(module, "no_sync") and not last:
+            return module.no_sync()
+        if hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _reduce_gradients(self) -> None:
+        """FSDP2 and the DDP wrapper reduce over dp x cp during the backward; pipeline stages under
+        DDP have no wrapper (the schedule calls the stage modules), so they are summed here."""
+        if self.config.tp > 1:
+            reduce_tp_partial_grads(self.model, self.dims.group("tp"))
+        unwrapped = self.runner is not None and self.config.data_parallel == "ddp"
+        if unwrapped and self.config.dp * self.config.cp > 1:
+            all_reduce_gradients(self.model, self.dims.dp_cp_mesh.get_group())
+
+    def _global_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        loss = loss.detach().clone()
+        if self.config.dp * self.config.cp > 1:
+            dist.all_reduce(loss, group=self.dims.dp_cp_mesh.get_group())
+        return loss
+
+
+def parallelize(model: HybridLM, dims: ParallelDims, config: Optional[ParallelConfig] = None,
+                device=None, param_dtype: Optional[torch.dtype] = None,
+                seq_len: Optional[int] = None) -> ParallelModel:
+    """Apply tp, pp, dp (and cp, through the batches) to `model`, initialised identically on every
+    rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision."""
+    config = config or dims.config
+    config.validate(model.config)
+    device = device or next(model.parameters()).device
+    if config.tp > 1:
+        apply_tensor_parallel(model, dims.group("tp"), config.sequence_parallel)
+    runner = None
+    train_module: nn.Module = model
+    if config.pp > 1:
+        kwargs = {"seq_len": seq_len} if seq_len else {}
+        runner = build_pipeline(model, config, device, pp_group=dims.group("pp"), **kwargs)
+        if config.dp * config.cp > 1 and config.data_parallel == "fsdp":
+            for stage in runner.stage_modules:
+                apply_data_parallel(stage, dims, config, param_dtype)
+    elif config.dp * config.cp > 1:
+        train_module = apply_data_parallel(model, dims, config, param_dtype)
+    return ParallelModel(model, train_module, dims, config, runner)
+
+
+def _autocast(dtype: Optional[torch.dtype], device: torch.device):
+    """Autocast without its weight-cast cache: the cache outlives a microbatch, and under FSDP2 a
+    cached cast would tie the next microbatch's backward to parameters already resharded, which
+    silently loses gradient."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)

@@ -1,0 +1,228 @@
+"""Data parallelism (FSDP2 / DDP over dp, gradients summed over dp x cp) equals one process computing
+the global-mean loss over every dp replica's batch: loss, every parameter gradient, the global
+gradient norm and clipping, and the parameters after two AdamW steps."""
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gdn_parallel.config import ModelConfig, ParallelConfig
+from gdn_parallel.model import HybridLM
+from gdn_parallel.parallel.cp.batch import cp_loss, shard_batch
+from gdn_parallel.parallel.data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
+from gdn_parallel.parallel.mesh import build_mesh
+from tests.parallel.launcher import run_workers
+from tests.parallel.batches import make_batch
+
+TOTAL = 48
+# LAYOUTS[step][dp replica]: document boundaries of each replica's packed row
+LAYOUTS = [[[0, 5, 19, 20, 40, TOTAL], [0, 1, 30, 31, TOTAL]],
+           [[0, TOTAL], [0, 7, 24, 41, TOTAL]]]
+MAX_NORMS = [0.05, 1e4]   # step 0 clips, step 1 does not
+
+
+
+
+def model_config():
+    return ModelConfig(vocab_size=64, hidden_size=32, n_layers=3, layer_pattern="GSA", gdn_num_heads=2,
+                       gdn_num_v_heads=4, gdn_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2,
+                       window_size=5, gdn_chunk_size=8, intermediate_size=48)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def full(t):
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+               "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "barrier")
+
+
+@contextlib.contextmanager
+def record_collectives(calls):
+    """Record the ranks of the group of every torch.distributed collective called inside."""
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            calls.append((name, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
+            return fn(*args, **kwargs)
+        return call
+    for name, fn in saved.items():
+        setattr(dist, name, spy(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def train_equal(rank, world, mode, dp, cp):
+    torch.manual_seed(0)
+    reference = HybridLM(model_config()).double()
+    model = copy.deepcopy(reference)
+    dims = build_mesh(ParallelConfig(dp=dp, cp=cp, data_parallel=mode), "cpu")
+    wrapped = apply_data_parallel(model, dims)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    d, c = dims.rank("dp"), dims.rank("cp")
+    for step, (layouts, max_norm) in enumerate(zip(LAYOUTS, MAX_NORMS)):
+        batches = [make_batch(cu, seed=10 * step + r) for r, cu in enumerate(layouts[:dp])]
+        # one process: the global mean over every replica's batch
+        outs = [reference(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens) for b in batches]
+        ref_loss = sum(o.loss_sum for o in outs) / sum(o.num_tokens for o in outs)
+        ref_loss.backward()
+        ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+
+        batch = batches[d]
+        if cp > 1:
+            shard = shard_batch(batch, c, cp, group=dims.group("cp"))
+            count = global_label_count(shard.num_label_tokens, dims)
+            with record_collectives([]) as calls:
+                loss = cp_loss(wrapped, shard) * (shard.num_label_tokens / count)
+            # DESIGN §2: data parallelism puts no collective over cp in the forward (parameter
+            # all-gathers stay in dp). The one cp collective left is the model's own: the K/V
+            # all-gather of the full-attention ('A') layer.
+            dp_ranks = tuple(dist.get_process_group_ranks(dims.group("dp")))
+            cp_ranks = tuple(dist.get_process_group_ranks(dims.group("cp")))
+            calls = [c for c in calls if c != ("all_gather", cp_ranks)]
+            assert all(ranks == dp_ranks for _, ranks in calls), (calls, dp_ranks)
+            assert mode == "ddp" or dp == 1 or any("all_gather" in name for name, _ in calls), calls
+        else:
+            out = wrapped(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
+            count = global_label_count(out.num_tokens, dims)
+            loss = out.loss_sum / count
+        loss.backward()
+        if cp > 1:
+            shard.context.wait_pending()
+        assert count == sum(o.num_tokens for o in outs)
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss)
+
+        tag = f"{mode} dp={dp} cp={cp} step={step} rank={rank}"
+        assert rel_err(total_loss, ref_loss.detach()) < 1e-12, tag
+        for name, p in model.named_parameters():
+            assert rel_err(full(p.grad), ref_grads[name]) < 1e-9, f"{name} grad, {tag}"
+        norm = clip_grad_norm(model.parameters(), max_norm, dims)
+        assert rel_err(norm, ref_norm) < 1e-12, f"grad norm {norm} vs {ref_norm}, {tag}"
+        assert (ref_norm > max_norm) == (step == 0), "step 0 must clip, step 1 must not"
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            assert rel_err(full(p.grad), p_ref.grad) < 1e-9, f"{name} clipped grad, {tag}"
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            assert rel_err(full(p), p_ref.detach()) < 1e-9, f"{name} after step, {tag}"
+    return True
+
+
+def two_process_cases(rank, world):
+    for mode in ("fsdp", "ddp"):
+        train_equal(rank, world, mode, dp=2, cp=1)
+        train_equal(rank, world, mode, dp=1, cp=2)   # HSDP with a dp group of one
+    return True
+
+
+def dp2_cp2_cases(rank, world):
+    for mode in ("fsdp", "ddp"):
+        train_equal(rank, world, mode, dp=2, cp=2)
+    return True
+
+
+class _Block(nn.Module):
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = nn.Parameter(bias.clone())
+
+    def forward(self, cw, cb):
+        return (self.weight * cw).sum() + (self.bias * cb).sum()
+
+
+class _Stage(nn.Module):
+    """A pipeline-stage-like module: its one block in a ModuleDict `layers`."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.layers = nn.ModuleDict({"3": _Block(weight, bias)})
+
+    def forward(self, cw, cb):
+        return self.layers["3"](cw, cb)
+
+
+def clip_cases(rank, world):
+    """clip_grad_norm over pp x tp (plain tensors) and over FSDP2 dp x tp, against torch's
+    clip_grad_norm_ on the full single-device gradients."""
+    gen = torch.Generator().manual_seed(1)
+    # (a) pp=2 x tp=2: per stage one replicated [3, 4] and one tp-sharded [4, 6] (dim 1) gradient
+    dims = build_mesh(ParallelConfig(pp=2, tp=2, microbatches=2), "cpu")
+    stage, t = dims.rank("pp"), dims.rank("tp")
+    reps = [torch.randn(3, 4, generator=gen, dtype=torch.float64) for _ in range(2)]
+    shards = [torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    ref = [nn.Parameter(torch.zeros_like(g)) for g in reps + shards]
+    for p, g in zip(ref, reps + shards):
+        p.grad = g.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    mine = [nn.Parameter(torch.zeros(3, 4, dtype=torch.float64)), nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))]
+    mine[0].grad = reps[stage].clone()
+    mine[1].grad = shards[stage][:, 3 * t:3 * t + 3].clone()
+    mine[1]._tp_shard_dim = 1
+    norm = clip_grad_norm(mine, 1.0, dims)
+    assert ref_norm > 1.0 and rel_err(norm, ref_norm) < 1e-12, (norm, ref_norm)
+    assert rel_err(mine[0].grad, ref[stage].grad) < 1e-12
+    assert rel_err(mine[1].grad, ref[2 + stage].grad[:, 3 * t:3 * t + 3]) < 1e-12
+
+    # (b) FSDP2 over dp=2 x tp=2 on a stage module: weight [4, 6] sharded over tp on dim 0
+    # (marked before fully_shard: the mark must survive it), bias [6] replicated over tp.
+    # dp rank d's loss has gradient C_d, so the summed gradient is C_0 + C_1.
+    dims = build_mesh(ParallelConfig(dp=2, tp=2), "cpu")
+    d, t = dims.rank("dp"), dims.rank("tp")
+    cws = [torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    cbs = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    module = _Stage(torch.zeros(2, 6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64))
+    module.layers["3"].weight._tp_shard_dim = 0
+    module = apply_data_parallel(module, dims)
+    module(cws[d][2 * t:2 * t + 2], cbs[d]).backward()
+    ref = [nn.Parameter(torch.zeros(4, 6, dtype=torch.float64)), nn.Parameter(torch.zeros(6, dtype=torch.float64))]
+    ref[0].grad, ref[1].grad = cws[0] + cws[1], cbs[0] + cbs[1]
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    weight, bias = module.layers["3"].weight, module.layers["3"].bias
+    assert weight._tp_shard_dim == 0 and type(weight.grad).__name__ == "DTensor"
+    norm = clip_grad_norm(module.parameters(), 0.5, dims)
+    assert ref_norm > 0.5 and rel_err(norm, ref_norm) < 1e-12, (norm, ref_norm)
+    assert rel_err(full(weight.grad), ref[0].grad[2 * t:2 * t + 2]) < 1e-12
+    assert rel_err(full(bias.grad), ref[1].grad) < 1e-12
+    return True
+
+
+def test_dp2_and_cp2_fsdp_and_ddp_match_single_process():
+    assert all(run_workers(two_process_cases, 2))
+
+
+def test_dp2_cp2_fsdp_and_ddp_match_single_process():
+    assert all(run_workers(dp2_cp2_cases, 4))
+
+
+def test_clip_grad_norm_over_pp_tp_and_fsdp_tp():
+    assert all(run_workers(clip_cases, 4))
+
+
+def test_unknown_data_parallel_mode_is_rejected():
+    from gdn_parallel.parallel.data_parallel import apply_data_parallel as apply
+
+    class Dims:
+        config = ParallelConfig()
+    config = ParallelConfig()
+    config.data_parallel = "zero3"
+    with pytest.raises(ValueError, match="parallel.data_parallel='zero3'"):
+        apply(nn.Linear(2, 2), Dims(), config)
