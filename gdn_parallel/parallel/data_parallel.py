@@ -154,6 +154,13 @@ def _apply_ddp(module, dims, reduce_dtype):
 
 
 # ---------------------------------------------------------------- norms and counts
+def _mesh_device(dims: ParallelDims) -> torch.device:
+    """This rank's device of the mesh's type (for small collective buffers)."""
+    if dims.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dims.mesh.device_type)
+
+
 def _group(dims: ParallelDims, name: str):
     return dims.group(name) if dims.mesh.size(dims.mesh.mesh_dim_names.index(name)) > 1 else None
 
@@ -177,8 +184,7 @@ def clip_grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     acc = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
-    device = params[0].grad.device if params else torch.device(
-        f"cuda:{torch.cuda.current_device()}" if dims.mesh.device_type == "cuda" else dims.mesh.device_type)
+    device = params[0].grad.device if params else _mesh_device(dims)
 
     # local gradients grouped by (mesh dims to sum over, sharded over tp?, device, dtype)
     groups: dict = {}
@@ -232,9 +238,6 @@ def global_label_count(local_count: Union[int, torch.Tensor], dims: ParallelDims
     row's count (`shard_batch` counts the whole row), so this reduces over dp only."""
     if dims.config.dp == 1:
         return int(local_count)
-    device = dims.mesh.device_type
-    if device == "cuda":
-        device = f"cuda:{torch.cuda.current_device()}"
-    count = torch.as_tensor(local_count, dtype=torch.int64).reshape(1).to(device)
+    count = torch.as_tensor(local_count, dtype=torch.int64).reshape(1).to(_mesh_device(dims))
     dist.all_reduce(count, group=dims.group("dp"))
     return int(count.item())

@@ -25,7 +25,7 @@ from .context import wait_pending_sends
 from .cp.batch import all_reduce_gradients, shard_batch
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from .mesh import ParallelDims
-from .pipeline import build_pipeline
+from .pipeline import as_microbatch, build_pipeline
 from .tensor import apply_tensor_parallel, reduce_tp_partial_grads
 
 
@@ -80,9 +80,8 @@ class ParallelModel:
         for i, mb in enumerate(microbatches):
             last = i == len(microbatches) - 1
             with self._gradient_sync(last):
-                seq = mb.sequence_info() if hasattr(mb, "sequence_info") else self.model.sequence_info(
-                    mb.input_ids, mb.cu_seqlens, mb.position_ids)
-                out = self.train_module(mb.input_ids, labels=mb.labels, seq=seq)
+                mb = as_microbatch(mb, self.model)
+                out = self.train_module(mb.input_ids, labels=mb.labels, seq=mb.seq)
                 wait_pending_sends()
                 loss = out.loss_sum / normalizer
                 loss.backward()

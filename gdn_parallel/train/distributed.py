@@ -10,27 +10,19 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List
-
 import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..data.corpus import BYTE_VOCAB_SIZE, load_corpus
 from ..data.packing import packed_batches
+from .loop import param_groups
 from .progress import ProgressLogger, format_duration, peak_flops_per_s
 from .schedule import schedule_from_config
 
 
 def is_distributed_launch() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def _decay_groups(named_params: List[tuple], weight_decay: float) -> List[dict]:
-    decay = [p for _, p in named_params if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
-    rest = [p for _, p in named_params if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
 def run_distributed_training(config: Config, print_fn=None) -> dict:
@@ -60,7 +52,7 @@ def run_distributed_training(config: Config, print_fn=None) -> dict:
         flops_per_token = float(model.flops_per_token(train.seq_len))  # before tensor parallel slicing
         num_parameters = model.num_parameters()
         parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len)
-        optimizer = torch.optim.AdamW(_decay_groups(parallel.named_parameters(), train.weight_decay),
+        optimizer = torch.optim.AdamW(param_groups(parallel.parameters(), train.weight_decay),
                                       lr=train.lr, betas=(train.beta1, train.beta2), fused=cuda)
         schedule = schedule_from_config(train)
         autocast_dtype = getattr(torch, train.dtype) if cuda and train.dtype != "float32" else None

@@ -33,10 +33,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """Weight decay on matrices only: 1-D parameters and those marked `_no_weight_decay` get none."""
+def param_groups(model, weight_decay: float) -> List[dict]:
+    """Weight decay on matrices only: 1-D parameters and those marked `_no_weight_decay` get none.
+    `model`: a module, or the parameters to train (e.g. a pipeline rank's)."""
     decay, no_decay, seen = [], [], set()
-    for param in model.parameters():
+    for param in (model.parameters() if isinstance(model, torch.nn.Module) else model):
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))

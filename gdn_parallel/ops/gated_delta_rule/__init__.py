@@ -44,20 +44,24 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     returned are those of the documents that end on it (DESIGN §2).
     """
     B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size)
-    if cp_group is not None:
-        return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 use_qk_l2norm, impl, chunk_size, cp_group, cp_algorithm)
-    cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
-    num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape[0] != num_seqs:
-        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
-                         f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'})")
+    if cp_group is None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
+        num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if initial_state is not None and initial_state.shape[0] != num_seqs:
+            raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
+                             f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'})")
+    elif B != 1:
+        raise ValueError(f"context parallelism takes one packed row: q has batch {B}; flatten the "
+                         f"batch into [1, total] and describe it with the global cu_seqlens")
     scale = K ** -0.5 if scale is None else scale
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     impl = _resolve_impl(impl, q)
+    if cp_group is not None:
+        return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                 impl, chunk_size, cp_group, cp_algorithm)
     if impl == "triton":
         return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
@@ -73,23 +77,15 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
 
 
 def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                      use_qk_l2norm, impl, chunk_size, cp_group, cp_algorithm):
+                      impl, chunk_size, cp_group, cp_algorithm):
+    """q, k already normalised and expanded to the value heads (see gated_delta_rule)."""
     from ...parallel.context import as_cp_context
     from ...parallel.cp.gdn import cp_gated_delta_rule
 
-    if q.shape[0] != 1:
-        raise ValueError(f"context parallelism takes one packed row: q has batch {q.shape[0]}; flatten the "
-                         f"batch into [1, total] and describe it with the global cu_seqlens")
-    cp = as_cp_context(cp_group, cu_seqlens, q.shape[1], cp_algorithm, q.device)
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    if v.shape[2] != q.shape[2]:
-        group = v.shape[2] // q.shape[2]
-        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if _resolve_impl(impl, q) == "naive":
+    if impl == "naive":
         raise ValueError("impl='naive' is the single-process oracle; context parallelism runs the chunk "
                          "algorithm (impl='chunk' or 'auto')")
+    cp = as_cp_context(cp_group, cu_seqlens, q.shape[1], cp_algorithm, q.device)
     return cp_gated_delta_rule(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
                                initial_state=initial_state, output_final_state=output_final_state)
 
