@@ -19,7 +19,7 @@ setup(
     package_data={"gdn_parallel": ["py.typed"]},
     install_requires=["torch>=2.11,<2.15", "PyYAML>=6", "numpy"],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib"],
+        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", "triton>=3.4"],  # triton: interpreter tests on CPU
         "gpu": ["triton>=3.4"],
         "launch": ["deepspeed", "mpi4py"],
         "log": ["wandb", "tensorboard", "matplotlib"],

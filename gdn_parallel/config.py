@@ -53,6 +53,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    # lm_head + cross-entropy a chunk of tokens at a time (gdn_kernels.linear_cross_entropy): the
+    # [tokens, vocab] logits are never held at once. Logits are still returned without labels.
+    fused_linear_cross_entropy: bool = False
 
     @property
     def layer_types(self) -> str:
@@ -120,6 +123,9 @@ class ModelConfig:
         if self.attn_dim % 2:
             raise ConfigError(f"attention head dim {self.attn_dim} must be even for RoPE; "
                               f"set model.attn_head_dim or change model.attn_num_heads")
+        if not isinstance(self.fused_linear_cross_entropy, bool):
+            raise ConfigError(f"model.fused_linear_cross_entropy={self.fused_linear_cross_entropy!r} "
+                              f"must be true or false")
         for name, allowed in (("gdn_impl", ("auto", "naive", "chunk", "triton")),
                               ("attn_impl", ("auto", "sdpa", "flex"))):
             if getattr(self, name) not in allowed:
@@ -230,6 +236,9 @@ class ParallelConfig:
         if model.num_kv_heads % tp and tp % model.num_kv_heads:
             raise ConfigError(f"model.attn_num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must "
                               f"divide the other (KV heads are split, or replicated when fewer than tp)")
+        if model.fused_linear_cross_entropy and self.pp > 1:
+            raise ConfigError("model.fused_linear_cross_entropy is not supported with parallel.pp > 1 yet "
+                              "(the last pipeline stage calls criterion(logits, labels)); set it to false")
         stages = self.pp * self.virtual_stages
         if model.n_layers < stages:
             raise ConfigError(f"model.n_layers={model.n_layers} < pipeline stages parallel.pp * "

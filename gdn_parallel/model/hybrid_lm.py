@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..ops.rope import positions_from_cu_seqlens
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
-from .loss import IGNORE_INDEX, TokenCrossEntropy
+from .loss import IGNORE_INDEX, LinearCrossEntropy, TokenCrossEntropy
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .sequence import SequenceInfo
@@ -62,7 +62,7 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(s, config) for s in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.criterion = TokenCrossEntropy()
+        self.criterion = LinearCrossEntropy() if config.fused_linear_cross_entropy else TokenCrossEntropy()
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embeddings.weight
@@ -105,7 +105,11 @@ class HybridLM(nn.Module):
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         """Summed cross-entropy over tokens with a label, and their count (for global means)."""
-        return self.criterion(self.lm_head(hidden), labels), int((labels != IGNORE_INDEX).sum())
+        if getattr(self.criterion, "fuses_lm_head", False):  # applies lm_head chunk by chunk itself
+            loss = self.criterion(hidden, self.lm_head.weight, labels)
+        else:
+            loss = self.criterion(self.lm_head(hidden), labels)
+        return loss, int((labels != IGNORE_INDEX).sum())
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}

@@ -1,5 +1,11 @@
-"""The loss as a module, so that parallelism can swap it (vocab-parallel cross-entropy) from outside."""
+"""The loss as a module, so that parallelism can swap it (vocab-parallel cross-entropy) from outside.
+
+A criterion with `fuses_lm_head = True` is called as criterion(hidden, lm_head.weight, labels) and
+applies lm_head itself; otherwise as criterion(logits, labels).
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +17,25 @@ IGNORE_INDEX = -100
 class TokenCrossEntropy(nn.Module):
     """Summed cross-entropy over the tokens whose label is not IGNORE_INDEX (fp32 for half inputs)."""
 
+    fuses_lm_head = False
+
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class LinearCrossEntropy(nn.Module):
+    """TokenCrossEntropy()(hidden @ weight.T, labels), computed a chunk of tokens at a time
+    (gdn_kernels.linear_cross_entropy) so the [tokens, vocab] logits never exist at once."""
+
+    fuses_lm_head = True
+
+    def __init__(self, chunk_tokens: Optional[int] = None):
+        super().__init__()
+        self.chunk_tokens = chunk_tokens  # None: the kernel picks one from the vocabulary size
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from gdn_kernels.linear_cross_entropy import linear_cross_entropy  # only when switched on
+        return linear_cross_entropy(hidden, weight, labels, chunk_tokens=self.chunk_tokens)

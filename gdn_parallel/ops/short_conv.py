@@ -9,6 +9,8 @@ before x[:, 0]). Later documents of the row started on this rank, so they never 
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import torch
@@ -19,6 +21,38 @@ from .validation import check_cu_seqlens
 __all__ = ["causal_conv1d", "causal_conv1d_naive"]
 
 _ACTIVATIONS = (None, "silu", "swish")
+_IMPLS = ("auto", "torch", "triton")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel accumulates in fp32
+
+
+@functools.cache
+def _triton_kernel():
+    """The fused Triton conv, or None when triton (or gdn_kernels) cannot be imported."""
+    try:
+        from gdn_kernels.short_conv import triton_causal_conv1d
+    except ImportError:
+        return None
+    return triton_causal_conv1d
+
+
+def _resolve_impl(impl: str, x: torch.Tensor) -> str:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        usable = x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_kernel() is not None
+        return "triton" if usable else "torch"
+    if impl == "triton":
+        if _triton_kernel() is None:
+            raise ImportError("impl='triton' needs the Triton kernels: install triton (pip install "
+                              "'gdn-parallel[gpu]') and gdn-parallel itself (gdn_kernels), "
+                              "or use impl='torch'")
+        if x.dtype not in _TRITON_DTYPES:
+            raise ValueError(f"impl='triton' supports x of dtype fp16/bf16/fp32, got {x.dtype}; "
+                             "use impl='torch'")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                             "interpreter); use impl='torch' on CPU")
+    return impl
 
 
 def _check(x, weight, bias, activation, cu_seqlens, prefix):
@@ -55,16 +89,22 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
-                  prefix: Optional[torch.Tensor] = None, cp_group=None) -> torch.Tensor:
+                  prefix: Optional[torch.Tensor] = None, cp_group=None,
+                  impl: str = "auto") -> torch.Tensor:
     """Vectorised causal depthwise conv: x [B, T, D], weight [D, W] -> y [B, T, D] (x's dtype).
 
     With `cp_group` (a process group plus the global `cu_seqlens`, or a prebuilt CPContext) x is
     this rank's shard of one packed row and the previous W-1 tokens of the same document arrive
     from the previous rank(s) as a halo (DESIGN §2).
+
+    `impl`: "torch" (this file, runs anywhere), "triton" (the fused kernel of gdn_kernels.short_conv)
+    or "auto" (triton for CUDA fp16/bf16/fp32 tensors when it imports, torch otherwise).
     """
     if cp_group is not None:
-        return _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group)
+        return _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group, impl)
     cu = _check(x, weight, bias, activation, cu_seqlens, prefix)
+    if _resolve_impl(impl, x) == "triton":
+        return _triton_kernel()(x, weight, bias, activation, cu, prefix)
     B, T, D = x.shape
     W = weight.shape[1]
     # Left context of the row: the prefix (halo) or zeros; everything else is masked per document.
@@ -90,11 +130,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return _activate(y, activation)
 
 
-def _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group):
+def _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group, impl):
     from ..parallel.context import as_cp_context
     from ..parallel.cp.conv import cp_causal_conv1d
 
     _check(x, weight, bias, activation, None, prefix)
+    _resolve_impl(impl, x)  # fail early; the local conv on the shard + halo picks "auto"
     if prefix is not None:
         raise ValueError("prefix and cp_group exclude each other: under context parallelism the prefix "
                          "is the halo received from the previous rank")

@@ -14,7 +14,8 @@ initialised identically on every rank; each rank keeps its slice of the full wei
   `attn` and `mlp` enter and leave the region, so parameter names stay the single-device names
   (checkpoints, optimizer groups and FSDP see the same model).
 - vocab-parallel embedding and lm_head (logits stay split over the vocabulary) and a
-  vocab-parallel cross-entropy that returns the same summed loss on every tp rank.
+  vocab-parallel cross-entropy that returns the same summed loss on every tp rank (the fused
+  linear + cross-entropy when the model was built with it).
 
 Sequence parallelism: input_ids, labels and SequenceInfo stay those of the full local row on
 every tp rank, so `model(...)` is called exactly as without it. The embedding reduce-scatters its
@@ -44,7 +45,8 @@ from .tensor_collectives import (all_gather_dim, copy_to_tp, gather_sequence, re
                                  reduce_scatter_sequence, split_sequence, vocab_parallel_cross_entropy)
 
 __all__ = ["apply_tensor_parallel", "reduce_tp_partial_grads", "full_tensor", "sequence_shard",
-           "TensorParallelPlan", "VocabParallelEmbedding", "VocabParallelCrossEntropy", "ReplicatedHeadLinear"]
+           "TensorParallelPlan", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
+           "VocabParallelLinearCrossEntropy", "ReplicatedHeadLinear"]
 
 
 @dataclass
@@ -86,7 +88,11 @@ def apply_tensor_parallel(model: HybridLM, tp_group, sequence_parallel: bool = F
         shard.column(model.lm_head)
         enter = partial(gather_sequence if sequence_parallel else copy_to_tp, group=tp_group)
         model.lm_head.register_forward_pre_hook(lambda _module, args: (enter(args[0]), *args[1:]))
-        model.criterion = VocabParallelCrossEntropy(tp_group)
+        if getattr(model.criterion, "fuses_lm_head", False):  # it never calls lm_head: enters itself
+            chunk_tokens = getattr(model.criterion, "chunk_tokens", None)
+            model.criterion = VocabParallelLinearCrossEntropy(plan, chunk_tokens)
+        else:
+            model.criterion = VocabParallelCrossEntropy(tp_group)
     model.tensor_parallel = plan
 
 
@@ -220,12 +226,35 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelCrossEntropy(nn.Module):
     """Drop-in for TokenCrossEntropy on vocab-split logits: the same summed loss on every tp rank."""
 
+    fuses_lm_head = False
+
     def __init__(self, group):
         super().__init__()
         self.group = group
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.group)
+
+
+class VocabParallelLinearCrossEntropy(nn.Module):
+    """Drop-in for LinearCrossEntropy with lm_head's weight split by vocabulary rows: the same
+    summed loss on every tp rank. It enters the region as lm_head's pre-hook does (copy_to_tp, or
+    gather_sequence under SP); their backward sums the ranks' partial hidden gradients, exactly as
+    for vocab_parallel_cross_entropy after the sharded lm_head."""
+
+    fuses_lm_head = True
+
+    def __init__(self, plan: TensorParallelPlan, chunk_tokens=None):
+        super().__init__()
+        self.plan = plan
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from gdn_kernels.linear_cross_entropy import linear_cross_entropy  # only when switched on
+        plan = self.plan
+        hidden = (gather_sequence if plan.sequence_parallel else copy_to_tp)(hidden, plan.group)
+        return linear_cross_entropy(hidden, weight, labels, vocab_start=plan.rank * weight.shape[0],
+                                    group=plan.group, chunk_tokens=self.chunk_tokens)
 
 
 # ---------------------------------------------------------------- gradients, gathering, metadata

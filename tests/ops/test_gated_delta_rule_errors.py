@@ -1,4 +1,6 @@
 """Bad inputs fail early with a ValueError that names the argument."""
+import sys
+
 import pytest
 import torch
 
@@ -92,7 +94,14 @@ def test_unknown_impl():
         call(q, k, v, g, beta, impl="fast")
 
 
-def test_triton_without_kernels_is_a_clear_error():
+def test_triton_without_kernels_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gdn_kernels.gated_delta_rule", None)  # as if not installed
     q, k, v, g, beta, _ = base()
     with pytest.raises(RuntimeError, match="impl='triton' needs"):
+        call(q, k, v, g, beta, impl="triton")
+
+
+def test_triton_rejects_float64():
+    q, k, v, g, beta, _ = gdn_inputs(1, 8, 2, 2, 4, 4, dtype=torch.float64, requires_grad=False)
+    with pytest.raises(ValueError, match="impl='triton' takes float32"):
         call(q, k, v, g, beta, impl="triton")

@@ -2,6 +2,7 @@
 form (`chunk`) and, on CUDA, the Triton kernels (`triton`). See DESIGN §1."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -56,14 +57,14 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     scale = K ** -0.5 if scale is None else scale
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
+    impl = _resolve_impl(impl, q)
+    if impl == "triton" and cp_group is None:  # the kernels read grouped q/k heads in place
+        return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    impl = _resolve_impl(impl, q)
     if cp_group is not None:
         return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                  impl, chunk_size, cp_group, cp_algorithm)
-    if impl == "triton":
-        return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     if impl == "naive":
@@ -147,12 +148,21 @@ def _triton_available() -> bool:
         return False
 
 
-def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
     try:
-        from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
+        from gdn_kernels.gated_delta_rule import CHUNK, triton_gated_delta_rule
     except ImportError as err:
         raise RuntimeError(f"impl='triton' needs triton and the gdn_kernels package ({err}); "
                            f"use impl='chunk' or 'auto'") from err
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"impl='triton' takes float32, float16 or bfloat16 inputs, got {q.dtype}; "
+                         f"use impl='chunk' for float64")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 to run Triton's "
+                         "interpreter on CPU); use impl='chunk' or 'auto'")
+    if chunk_size != CHUNK:
+        raise ValueError(f"impl='triton' runs chunks of {CHUNK} tokens, got chunk_size={chunk_size}; "
+                         f"leave chunk_size at its default or use impl='chunk'")
     return triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 

@@ -1,0 +1,169 @@
+"""Backward kernels of the chunked gated delta rule. Forward per chunk (S: state at its start):
+
+    Delta = U - W S,   O = scale (e^gamma Q S + (Q K^T o Gamma) Delta),
+    S' = e^{gamma_C} S + (K o e^{gamma_C - gamma})^T Delta,   W = T diag(beta e^gamma) K,  U = T diag(beta) V
+
+so, with dS' the gradient reaching the chunk's end state,
+
+    dDelta = scale (Q K^T o Gamma)^T dO + (K o e^{gamma_C - gamma}) dS'
+    dS     = scale (e^gamma Q)^T dO + e^{gamma_C} dS' - W^T dDelta          (carried backwards)
+    dW = -dDelta S^T,  dU = dDelta,  and the UT transform's own backward (dT -> dA = -T^T dT T^T).
+
+Kernels: `delta_grad_local` (first term of dDelta, parallel), `state_backward` (the sequential
+dS chain per document; stores dS' per chunk and the full dDelta), `qkw_backward` (dq, dk, dW and
+the gate terms from O and S', parallel) and `ut_backward` (dk, dv, dbeta and gate terms through W
+and U, parallel). Matrix products take input-dtype operands with fp32 accumulation, like the
+forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them into dg.
+"""
+import triton
+import triton.language as tl
+
+from .common import chunk_gram, decay_matrix, load_gamma, load_rows, load_state, store_rows, store_state
+
+
+@triton.jit
+def delta_grad_local(q, k, gamma, do, dd_local, scale, Tp, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    chunk, hv, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0, col0 = chunk * C, col_block * BV
+    qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
+    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    gam, _ = load_gamma(gamma, row0, hv, Tp, C)
+    qk = tl.dot(qq, tl.trans(kk)) * decay_matrix(gam, C, False) * scale
+    dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+    store_rows(dd_local, tl.dot(tl.trans(qk).to(dout.dtype), dout), row0, hv, HV, V, C, BV, col0)
+
+
+@triton.jit
+def _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, chunk, hv, col0, scale, Tp, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    row0 = chunk * C
+    store_state(dh, dstate, chunk * HV + hv, K, V, BK, BV, col0)
+    gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
+    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    k_to_end = (kk * tl.exp(g_last - gam)[:, None]).to(kk.dtype)
+    d = load_rows(dd_local, row0, hv, HV, V, C, BV, col0).to(tl.float32) + tl.dot(k_to_end, dstate.to(kk.dtype))
+    store_rows(dd, d, row0, hv, HV, V, C, BV, col0)
+    qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
+    q_decayed = (qq * (tl.exp(gam) * scale)[:, None]).to(qq.dtype)
+    dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+    ww = load_rows(w, row0, hv, HV, K, C, BK)
+    return dstate * tl.exp(g_last) + tl.dot(tl.trans(q_decayed), dout) - tl.dot(tl.trans(ww), d.to(ww.dtype))
+
+
+@triton.jit
+def state_backward(q, k, w, gamma, do, dd_local, doc_first_chunk, doc_num_chunks, dfinal, dh, dd, dh0,
+                   scale, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                   HAS_DH0: tl.constexpr, INTERPRET: tl.constexpr):
+    col_block, hv, doc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    col0 = col_block * BV
+    first = tl.load(doc_first_chunk + doc)
+    count = tl.load(doc_num_chunks + doc)
+    if HAS_DFINAL:
+        dstate = load_state(dfinal, doc * HV + hv, K, V, BK, BV, col0).to(tl.float32)
+    else:
+        dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    if INTERPRET:  # Triton's interpreter cannot take a loaded bound in range()
+        chunk = first + count - 1
+        while chunk >= first:
+            dstate = _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, chunk, hv, col0, scale, Tp,
+                                  H, HV, K, V, C, BK, BV)
+            chunk -= 1
+    else:
+        for step in range(count):
+            dstate = _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, first + count - 1 - step,
+                                  hv, col0, scale, Tp, H, HV, K, V, C, BK, BV)
+    if HAS_DH0:
+        store_state(dh0, dstate, doc * HV + hv, K, V, BK, BV, col0)
+
+
+@triton.jit
+def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    chunk, hv = tl.program_id(0), tl.program_id(1)
+    row0 = chunk * C
+    do_state = tl.zeros([C, BK], dtype=tl.float32)      # dO S^T
+    do_delta = tl.zeros([C, C], dtype=tl.float32)       # dO Delta^T
+    delta_dh = tl.zeros([C, BK], dtype=tl.float32)      # Delta dS'^T
+    dd_state = tl.zeros([C, BK], dtype=tl.float32)      # dDelta S^T
+    state_dot = tl.zeros([BK], dtype=tl.float32)        # <S, dS'> (row partial sums)
+    for col0 in tl.static_range(0, V, BV):
+        state = load_state(h, chunk * HV + hv, K, V, BK, BV, col0)
+        dstate = load_state(dh, chunk * HV + hv, K, V, BK, BV, col0)
+        dl = load_rows(delta, row0, hv, HV, V, C, BV, col0)
+        ddl = load_rows(dd, row0, hv, HV, V, C, BV, col0)
+        dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+        do_state += tl.dot(dout, tl.trans(state))
+        do_delta += tl.dot(dout, tl.trans(dl))
+        delta_dh += tl.dot(dl, tl.trans(dstate))
+        dd_state += tl.dot(ddl, tl.trans(state))
+        state_dot += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
+    qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
+    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
+    # O's inter-chunk term scale e^gamma Q S.
+    dqq = do_state * (tl.exp(gam) * scale)[:, None]
+    dgam = tl.sum(qq.to(tl.float32) * dqq, axis=1)
+    # O's intra-chunk term (scale Q K^T o Gamma) Delta.
+    d_scores = do_delta * decay_matrix(gam, C, False) * scale
+    d_gate = d_scores * tl.dot(qq, tl.trans(kk))
+    dgam += tl.sum(d_gate, axis=1) - tl.sum(d_gate, axis=0)
+    dqq += tl.dot(d_scores.to(kk.dtype), kk)
+    dkk = tl.dot(tl.trans(d_scores).to(qq.dtype), qq)
+    # S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Delta.
+    dk_end = delta_dh * tl.exp(g_last - gam)[:, None]
+    dkk += dk_end
+    to_end = tl.sum(kk.to(tl.float32) * dk_end, axis=1)
+    dgam -= to_end
+    last = tl.arange(0, C) == C - 1
+    dgam += tl.where(last, tl.sum(to_end, axis=0) + tl.exp(g_last) * tl.sum(state_dot, axis=0), 0.)
+    store_rows(dq, dqq, row0, hv, HV, K, C, BK)
+    store_rows(dk, dkk, row0, hv, HV, K, C, BK)
+    store_rows(dw, -dd_state, row0, hv, HV, K, C, BK)
+    tl.store(dgamma + hv * Tp + row0 + tl.arange(0, C), dgam)
+
+
+@triton.jit
+def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dv, dbeta, dgamma, Tp, H: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr):
+    """Adds the gradients through W = T diag(beta e^gamma) K and U = T diag(beta) V into dk, dgamma."""
+    chunk, hv = tl.program_id(0), tl.program_id(1)
+    row0 = chunk * C
+    kk, b, gam, gram, a = chunk_gram(k, beta, gamma, chunk, hv, Tp, H, HV, K, C, BK)
+    t_in = load_rows(t_inv, row0, hv, HV, C, C, C).to(kk.dtype)
+    e_gam = tl.exp(gam)
+    key_scaled = (kk * (b * e_gam)[:, None]).to(kk.dtype)
+    dww = load_rows(dw, row0, hv, HV, K, C, BK).to(kk.dtype)
+    d_key_scaled = tl.dot(tl.trans(t_in), dww)
+    d_t = tl.dot(dww, tl.trans(key_scaled))
+    db = tl.zeros([C], dtype=tl.float32)
+    for col0 in tl.static_range(0, V, BV):
+        du = load_rows(dd, row0, hv, HV, V, C, BV, col0).to(kk.dtype)
+        vv = load_rows(v, row0, hv, HV, V, C, BV, col0)
+        d_v_scaled = tl.dot(tl.trans(t_in), du)
+        store_rows(dv, d_v_scaled * b[:, None], row0, hv, HV, V, C, BV, col0)
+        db += tl.sum(vv.to(tl.float32) * d_v_scaled, axis=1)
+        d_t += tl.dot(du, tl.trans((vv * b[:, None]).to(vv.dtype)))
+    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept on A's strictly lower support.
+    d_a = -tl.dot(tl.dot(tl.trans(t_in), d_t.to(kk.dtype)).to(kk.dtype), tl.trans(t_in))
+    i = tl.arange(0, C)
+    d_a = tl.where(i[:, None] > i[None, :], d_a, 0.)
+    decay = decay_matrix(gam, C, True)
+    db += tl.sum(d_a * gram * decay, axis=1)
+    d_gram = (d_a * decay * b[:, None]).to(kk.dtype)
+    dkk = tl.dot(d_gram, kk) + tl.dot(tl.trans(d_gram), kk)
+    d_gate = d_a * a
+    dgam = tl.sum(d_gate, axis=1) - tl.sum(d_gate, axis=0)
+    # key_scaled = diag(beta e^gamma) K
+    through_scale = tl.sum(kk.to(tl.float32) * d_key_scaled, axis=1)
+    dkk += d_key_scaled * (b * e_gam)[:, None]
+    db += e_gam * through_scale
+    dgam += b * e_gam * through_scale
+    store_rows(dk, load_rows(dk, row0, hv, HV, K, C, BK) + dkk, row0, hv, HV, K, C, BK)
+    tl.store(dbeta + (row0 + tl.arange(0, C)) * HV + hv, db)
+    gptr = dgamma + hv * Tp + row0 + tl.arange(0, C)
+    tl.store(gptr, tl.load(gptr) + dgam)

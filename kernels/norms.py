@@ -1,0 +1,158 @@
+"""Fused row norms, forward and backward: L2 normalisation (GDN q/k) and the (gated) RMSNorm.
+
+Both are one formula over the last dim of rows x:
+
+    y = x * rstd * weight * silu(gate),   rstd = rsqrt(scale * sum(x^2) + eps)
+
+with scale = 1/N for RMSNorm (a mean) and scale = 1 for L2 (a sum), weight and gate optional. So
+one kernel pair serves both. Math is fp32 whatever the input dtype; outputs and gradients come
+back in their inputs' dtypes.
+
+Layout: a program holds whole rows in registers, a block of BLOCK_ROWS rows by BLOCK_N columns
+with BLOCK_N the power of two >= N. No loop over the hidden dim: x stays in registers between
+the reduction and the scaling, so it is read from memory once. Narrow rows are batched so a
+program still moves 4096 elements (2048 in the backward, which keeps more tensors live), and
+warps grow with the block so a thread holds ~8 fp32 of each live tensor. Compiled for sm_90 (bf16)
+that spills no registers up to N = 8192 in the forward and N = 2048 in the backward; beyond, the
+backward spills a little (N = 8192, or 4096 with a gate, which the model only uses per head).
+
+Backward, with xhat = x * rstd, dy0 = dy * silu(gate) and dxhat = dy0 * weight:
+    dx     = rstd * (dxhat - xhat * scale * sum(dxhat * xhat))   (rstd depends on x too)
+    dweight = sum over rows of dy0 * xhat
+    dgate  = dy * xhat * weight * silu'(gate),   silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g)
+rstd is recomputed from x rather than saved: the row is loaded anyway and the sum is cheap.
+dweight is reduced deterministically: each backward program covers a fixed run of 64 rows, keeps
+its partial sum in fp32 registers and writes it to its own row of a buffer, and torch sums the
+buffer. No atomics, and the split depends on the shape only, so the same inputs give the same bits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 8192  # whole rows live in registers (see above)
+# backward: rows per program; the fp32 dw partials then take 1/64 of an fp32 copy of x
+_BWD_ROWS_PER_PROGRAM = 64
+
+
+@triton.jit
+def _norm_fwd(X, W, G, Y, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr,
+              BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # int64 offsets: rows * N passes 2^31 at long sequences times wide hidden sizes
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None] * N + cols[None, :]
+    # padding loads as 0: it adds nothing to the sums and padded rows give rstd = rsqrt(eps), finite
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * scale + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_GATE:
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * g * tl.sigmoid(g)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd(X, W, G, DY, DX, DW, DG, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr,
+              BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # this program's BLOCKS consecutive row blocks; past M they are fully masked
+    for i in range(BLOCKS):
+        rows = (pid * BLOCKS + i).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) * scale + eps)
+        xhat = x * rstd[:, None]
+        if HAS_GATE:
+            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            y0 = xhat  # the output before the gate
+            if HAS_WEIGHT:
+                y0 = y0 * w[None, :]
+            dg = dy * y0 * sig * (1.0 + g * (1.0 - sig))
+            tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
+            dy = dy * g * sig
+        if HAS_WEIGHT:
+            dw += tl.sum(dy * xhat, axis=0)
+            dy = dy * w[None, :]
+        dx = (dy - xhat * (tl.sum(dy * xhat, axis=1) * scale)[:, None]) * rstd[:, None]
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DW + pid * N + cols, dw, mask=cols < N)
+
+
+def _blocks(n: int, elements: int):
+    """BLOCK_ROWS, BLOCK_N and num_warps for rows of n and about `elements` per program."""
+    block_n = triton.next_power_of_2(n)
+    block_rows = max(1, elements // block_n)
+    return block_rows, block_n, min(16, max(4, block_rows * block_n // 256))
+
+
+class _RowNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps: float, mean: bool):
+        n = x.shape[-1]
+        if n > MAX_HIDDEN:
+            raise ValueError(f"fused norms hold a row in registers: last dim {n} > {MAX_HIDDEN}")
+        if gate is not None and gate.shape != x.shape:
+            raise ValueError(f"gate shape {tuple(gate.shape)} must equal x shape {tuple(x.shape)}")
+        x2 = x.reshape(-1, n).contiguous()  # the kernels index rows as row * N
+        g2 = None if gate is None else gate.reshape(-1, n).contiguous()
+        w = None if weight is None else weight.contiguous()
+        y = torch.empty_like(x2)
+        m = x2.shape[0]
+        block_rows, block_n, warps = _blocks(n, 4096)
+        scale = 1.0 / n if mean else 1.0
+        if m > 0:
+            # an absent weight/gate is never read (constexpr flags); x stands in for its pointer
+            _norm_fwd[(triton.cdiv(m, block_rows),)](
+                x2, x2 if w is None else w, x2 if g2 is None else g2, y, m, n, scale, eps,
+                HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None, BLOCK_ROWS=block_rows,
+                BLOCK_N=block_n, num_warps=warps)
+        ctx.save_for_backward(x2, w, g2)
+        ctx.scale, ctx.eps, ctx.shape = scale, eps, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, g2 = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = dy.reshape(-1, n).contiguous()
+        dx = torch.empty_like(x2)
+        dg = None if g2 is None else torch.empty_like(g2)
+        block_rows, block_n, warps = _blocks(n, 2048)
+        blocks = max(1, _BWD_ROWS_PER_PROGRAM // block_rows)
+        programs = triton.cdiv(m, blocks * block_rows)
+        dw_partial = None if w is None else torch.empty(programs, n, dtype=torch.float32, device=x2.device)
+        if m > 0:
+            _norm_bwd[(programs,)](
+                x2, x2 if w is None else w, x2 if g2 is None else g2, dy2, dx,
+                x2 if dw_partial is None else dw_partial, x2 if dg is None else dg, m, n,
+                ctx.scale, ctx.eps, HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None,
+                BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)
+        dw = None if w is None else dw_partial.sum(0).to(w.dtype)
+        return (dx.view(ctx.shape), dw, None if dg is None else dg.view(ctx.shape), None, None)
+
+
+def triton_l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (<= 8192), fp32 math, output in x's dtype."""
+    return _RowNorm.apply(x, None, None, eps, False)
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight [* silu(gate)] over the last dim (<= 8192): normalise,
+    then gate. fp32 math; output and dx in x's dtype, dweight in weight's, dgate in gate's."""
+    return _RowNorm.apply(x, weight, gate, eps, True)

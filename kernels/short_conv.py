@@ -1,0 +1,256 @@
+"""Fused causal depthwise short convolution + SiLU in Triton (forward and backward).
+
+Per channel, with kernel width W and tap i reading the token s = W-1-i steps back:
+
+    z[t] = bias + sum_i w[i] * x[t - s]        y[t] = act(z[t])
+
+A source position u is visible from token q iff u >= lo[q]: lo is the start of q's document, except
+that the first document of the row (start 0) reaches back to -(W-1) when a `prefix` (the context
+parallel halo) is given; x[u] for u < 0 is read from prefix[W-1+u].
+
+The backward recomputes z from the inputs (nothing but the inputs is saved) and, with
+dz = dy * act'(z):
+
+    dx[u]  = sum_s w[W-1-s] * dz[u+s]  over the u+s that see u   (the conv run in reverse)
+    dw[i]  = sum_t dz[t] * x[t-s]       dbias = sum_t dz[t]
+    dprefix[W-1+u] = dx[u] for u = -(W-1)..-1, with the same formula.
+
+dw and dbias are reduced per chunk of tokens in fp32 registers, written as partial sums and summed
+by torch: deterministic, no atomics. Arguments are validated by
+`gdn_parallel.ops.short_conv.causal_conv1d`; this module trusts them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["triton_causal_conv1d"]
+
+# Fixed tiles (no autotune: the CPU interpreter would run every config). A tile of 32 tokens x 64
+# channels is 16 elements per thread at 4 warps; bf16 rows of 64 channels are 128-byte loads.
+BLOCK_T = 32
+BLOCK_D = 64
+# Tokens per backward program: dw partial sums are [T / CHUNK_T, W, D] fp32 (8 MB at T=64K, D=2K).
+CHUNK_T = 256
+
+
+@triton.jit
+def _lowest_visible(start_ptr, q, q_ok, HAS_CU: tl.constexpr, LO: tl.constexpr):
+    """lo[q]: the first source position token q may read (LO = -(W-1) with a prefix, else 0)."""
+    lo = tl.zeros_like(q) + LO
+    if HAS_CU:
+        st = tl.load(start_ptr + q, mask=q_ok, other=0).to(q.dtype)
+        lo = tl.where(st > 0, st, lo)  # later documents never see the prefix
+    return lo
+
+
+@triton.jit
+def _load_src(x_ptr, p_ptr, xrow, prow, src, vis, offs_d, d_ok, D, W: tl.constexpr,
+              HAS_PREFIX: tl.constexpr):
+    """x at positions src (a [BT] vector) as fp32 [BT, BD]; 0 where not visible, prefix where < 0."""
+    m = (vis & (src >= 0))[:, None] & d_ok[None, :]
+    v = tl.load(x_ptr + xrow + src[:, None] * D + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_PREFIX:
+        m = (vis & (src < 0))[:, None] & d_ok[None, :]
+        v += tl.load(p_ptr + prow + (src + W - 1)[:, None] * D + offs_d[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _preact(x_ptr, w_ptr, b_ptr, p_ptr, xrow, prow, q, q_ok, lo, offs_d, d_ok, D,
+            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_T: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """z at tokens q: fp32 [BT, BD]."""
+    z = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    for i in tl.static_range(W):
+        src = q - (W - 1 - i)
+        w_i = tl.load(w_ptr + offs_d * W + i, mask=d_ok, other=0.0).to(tl.float32)
+        xv = _load_src(x_ptr, p_ptr, xrow, prow, src, q_ok & (src >= lo), offs_d, d_ok, D, W, HAS_PREFIX)
+        z += w_i[None, :] * xv
+    return z
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, y_ptr, T, D,
+                     W: tl.constexpr, LO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr,
+                     HAS_PREFIX: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    xrow, prow = b * T * D, b * (W - 1) * D  # int64: B*T*D may exceed 2^31
+    q = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    q_ok, d_ok = q < T, offs_d < D
+    lo = _lowest_visible(start_ptr, q, q_ok, HAS_CU, LO)
+    z = _preact(x_ptr, w_ptr, b_ptr, p_ptr, xrow, prow, q, q_ok, lo, offs_d, d_ok, D,
+                W, HAS_BIAS, HAS_PREFIX, BLOCK_T, BLOCK_D)
+    if SILU:
+        z = z * tl.sigmoid(z)
+    tl.store(y_ptr + xrow + q[:, None] * D + offs_d[None, :], z.to(y_ptr.dtype.element_ty),
+             mask=q_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dpre(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, q, offs_d, d_ok, T, D,
+          W: tl.constexpr, LO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr,
+          HAS_PREFIX: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dz at tokens q (0 outside [0, T)) and lo[q]."""
+    q_ok = (q >= 0) & (q < T)
+    lo = _lowest_visible(start_ptr, q, q_ok, HAS_CU, LO)
+    dz = tl.load(dy_ptr + xrow + q[:, None] * D + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)
+    if SILU:  # recompute z instead of saving it: silu'(z) = sig(z) * (1 + z * (1 - sig(z)))
+        z = _preact(x_ptr, w_ptr, b_ptr, p_ptr, xrow, prow, q, q_ok, lo, offs_d, d_ok, D,
+                    W, HAS_BIAS, HAS_PREFIX, BLOCK_T, BLOCK_D)
+        sig = tl.sigmoid(z)
+        dz = dz * sig * (1.0 + z * (1.0 - sig))
+    return dz, lo
+
+
+@triton.jit
+def _dinput(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u, offs_d, d_ok, T, D,
+            W: tl.constexpr, LO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr,
+            HAS_PREFIX: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Gradient reaching source positions u (u < 0: the prefix) from the W tokens u..u+W-1 that read
+    them; also returns dz and lo at u itself (the s = 0 term), which dw and dbias need."""
+    dsrc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    dz0 = dsrc
+    lo0 = u
+    for s in tl.static_range(W):
+        dz, lo = _dpre(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u + s, offs_d, d_ok,
+                       T, D, W, LO, HAS_BIAS, HAS_CU, HAS_PREFIX, SILU, BLOCK_T, BLOCK_D)
+        w_i = tl.load(w_ptr + offs_d * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
+        dsrc += tl.where((u >= lo)[:, None], dz, 0.0) * w_i[None, :]  # token u+s sees u?
+        if s == 0:
+            dz0, lo0 = dz, lo
+    return dsrc, dz0, lo0
+
+
+@triton.jit
+def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, dp_ptr,
+                     T, D, W: tl.constexpr, W_POW2: tl.constexpr, P_POW2: tl.constexpr, LO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                     SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CHUNK_T: tl.constexpr):
+    pid_c = tl.program_id(0)
+    b = tl.program_id(2).to(tl.int64)
+    xrow, prow = b * T * D, b * (W - 1) * D
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    taps = tl.arange(0, W_POW2)
+    dw = tl.zeros((W_POW2, BLOCK_D), dtype=tl.float32)  # row i: partial dw[:, i]
+    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
+
+    for k in range(0, CHUNK_T, BLOCK_T):
+        t0 = pid_c.to(tl.int64) * CHUNK_T + k
+        if t0 < T:  # the last chunk may be short (a static trip count keeps the interpreter happy)
+            u = t0 + tl.arange(0, BLOCK_T)
+            u_ok = u < T
+            dxv, dz0, lo0 = _dinput(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u, offs_d,
+                                    d_ok, T, D, W, LO, HAS_BIAS, HAS_CU, HAS_PREFIX, SILU, BLOCK_T, BLOCK_D)
+            tl.store(dx_ptr + xrow + u[:, None] * D + offs_d[None, :], dxv.to(dx_ptr.dtype.element_ty),
+                     mask=u_ok[:, None] & d_ok[None, :])
+            db += tl.sum(dz0, axis=0)
+            for i in tl.static_range(W):
+                src = u - (W - 1 - i)
+                xv = _load_src(x_ptr, p_ptr, xrow, prow, src, u_ok & (src >= lo0), offs_d, d_ok, D, W,
+                               HAS_PREFIX)
+                dw += tl.where(taps[:, None] == i, tl.sum(dz0 * xv, axis=0)[None, :], 0.0)
+
+    part = b * tl.num_programs(0) + pid_c  # one row of partial sums per (batch, chunk)
+    tl.store(dw_ptr + (part * W + taps[:, None]) * D + offs_d[None, :], dw,
+             mask=(taps < W)[:, None] & d_ok[None, :])
+    tl.store(db_ptr + part * D + offs_d, db, mask=d_ok)
+
+    if HAS_PREFIX:  # noqa: SIM102  (a constexpr test, kept apart from the runtime one)
+        if pid_c == 0:  # only the first W-1 tokens read the prefix: chunk 0 owns it
+            u = tl.arange(0, P_POW2).to(tl.int64) - (W - 1)
+            dpv, _, _ = _dinput(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u, offs_d, d_ok,
+                                T, D, W, LO, HAS_BIAS, HAS_CU, HAS_PREFIX, SILU, P_POW2, BLOCK_D)
+            tl.store(dp_ptr + prow + (u + W - 1)[:, None] * D + offs_d[None, :],
+                     dpv.to(dp_ptr.dtype.element_ty), mask=(u < 0)[:, None] & d_ok[None, :])
+
+
+def _device_guard(x: torch.Tensor):
+    # Triton launches on the current CUDA device; make it x's (ranks may hold several devices).
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _meta(weight, bias, prefix, start, silu):
+    W = weight.shape[1]
+    has_prefix = prefix is not None and W > 1
+    return {"W": W, "LO": -(W - 1) if has_prefix else 0, "HAS_BIAS": bias is not None,
+            "HAS_CU": start is not None, "HAS_PREFIX": has_prefix, "SILU": silu, "BLOCK_D": BLOCK_D}
+
+
+def _or_dummy(t, x):
+    # Absent bias/prefix/start: x stands in as a pointer the kernel never reads (constexpr flags).
+    return x if t is None else t
+
+
+class _CausalConv1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, prefix, start, silu):
+        x, weight = x.contiguous(), weight.contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        prefix = prefix.contiguous() if prefix is not None else None
+        B, T, D = x.shape
+        y = torch.empty_like(x)
+        if y.numel():
+            meta = _meta(weight, bias, prefix, start, silu)
+            grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), B)
+            with _device_guard(x):
+                _conv_fwd_kernel[grid](x, weight, _or_dummy(bias, x), _or_dummy(prefix, x),
+                                       _or_dummy(start, x), y, T, D, BLOCK_T=BLOCK_T, **meta)
+        ctx.save_for_backward(x, weight, bias, prefix, start)
+        ctx.silu = silu
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, prefix, start = ctx.saved_tensors
+        dy = dy.contiguous()
+        B, T, D = x.shape
+        W = weight.shape[1]
+        n_chunks = triton.cdiv(T, CHUNK_T)
+        dx = torch.empty_like(x)
+        dw = torch.empty(B * n_chunks, W, D, device=x.device, dtype=torch.float32)
+        db = torch.empty(B * n_chunks, D, device=x.device, dtype=torch.float32)
+        # The kernel writes dprefix only when the prefix is read at all (T > 0, W > 1).
+        dp = None if prefix is None else (torch.empty_like if T and W > 1 else torch.zeros_like)(prefix)
+        if x.numel():
+            meta = _meta(weight, bias, prefix, start, ctx.silu)
+            grid = (n_chunks, triton.cdiv(D, BLOCK_D), B)
+            with _device_guard(x):
+                _conv_bwd_kernel[grid](x, weight, _or_dummy(bias, x), _or_dummy(prefix, x),
+                                       _or_dummy(start, x), dy, dx, dw, db, _or_dummy(dp, x), T, D,
+                                       W_POW2=triton.next_power_of_2(W),
+                                       P_POW2=triton.next_power_of_2(max(W - 1, 1)),
+                                       BLOCK_T=BLOCK_T, CHUNK_T=CHUNK_T, **meta)
+        dweight = dw.sum(0).t().contiguous().to(weight.dtype)  # [D, W]
+        dbias = None if bias is None else db.sum(0).to(bias.dtype)
+        return dx, dweight, dbias, dp, None, None
+
+
+def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None,
+                         prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal depthwise conv + optional SiLU: x [B, T, D], weight [D, W], bias [D], prefix
+    [B, W-1, D] -> y [B, T, D] in x's dtype; differentiable in x, weight, bias and prefix.
+
+    Same semantics as `gdn_parallel.ops.short_conv.causal_conv1d` (cu_seqlens needs B = 1).
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    start = None
+    if cu_seqlens is not None:
+        # Start of each token's document, computed once on the device (no host sync).
+        cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+        pos = torch.arange(x.shape[1], device=x.device)
+        start = cu[torch.searchsorted(cu[1:], pos, right=True)].to(torch.int32)
+    return _CausalConv1d.apply(x, weight, bias, prefix, start, activation is not None)
