@@ -236,9 +236,6 @@ class ParallelConfig:
         if model.num_kv_heads % tp and tp % model.num_kv_heads:
             raise ConfigError(f"model.attn_num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must "
                               f"divide the other (KV heads are split, or replicated when fewer than tp)")
-        if model.fused_linear_cross_entropy and self.pp > 1:
-            raise ConfigError("model.fused_linear_cross_entropy is not supported with parallel.pp > 1 yet "
-                              "(the last pipeline stage calls criterion(logits, labels)); set it to false")
         stages = self.pp * self.virtual_stages
         if model.n_layers < stages:
             raise ConfigError(f"model.n_layers={model.n_layers} < pipeline stages parallel.pp * "

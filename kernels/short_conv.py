@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gdn_parallel.ops.validation import on_device
+
 __all__ = ["triton_causal_conv1d"]
 
 # Fixed tiles (no autotune: the CPU interpreter would run every config). A tile of 32 tokens x 64
@@ -250,7 +252,7 @@ def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     start = None
     if cu_seqlens is not None:
         # Start of each token's document, computed once on the device (no host sync).
-        cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+        cu = on_device(cu_seqlens, x.device).to(torch.int64)
         pos = torch.arange(x.shape[1], device=x.device)
         start = cu[torch.searchsorted(cu[1:], pos, right=True)].to(torch.int32)
     return _CausalConv1d.apply(x, weight, bias, prefix, start, activation is not None)

@@ -38,8 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--profile", action="store_true", help="list per-kernel times of ours")
     p.add_argument("--tunings", default="",
-                   help="';'-separated block_v,num_warps,num_stages settings of the sequential kernels "
-                        "to compare (forward+backward at --tune-tokens) before the main table")
+                   help="';'-separated key=value,... overrides of gdn_kernels.gated_delta_rule.TUNING to "
+                        "compare (forward+backward at --tune-tokens) before the main table; the fastest "
+                        "is kept, e.g. 'block_v=32;block_v=64,num_warps=8'")
     p.add_argument("--tune-tokens", type=int, default=16384)
     p.add_argument("--out", default=None, help="JSON file for the results (and a PNG beside it)")
     return p.parse_args(argv)
@@ -112,17 +113,19 @@ def sweep_tunings(args, op):
         return []
     inputs = make_inputs(args.tune_tokens, args.heads, args.dim, torch.device("cuda"))
     rows = []
+    base = dict(gdn_triton.TUNING)
     for setting in args.tunings.split(";"):
-        block_v, warps, stages = (int(x) for x in setting.split(","))
-        gdn_triton.SEQUENTIAL_TUNING.update(block_v=block_v, num_warps=warps, num_stages=stages)
+        override = dict(kv.split("=") for kv in setting.split(",") if kv)
+        override = {k: (v if k == "inverse_precision" else int(v)) for k, v in override.items()}
+        gdn_triton.TUNING.clear()
+        gdn_triton.TUNING.update(base, **override)
         fwd_ms, fb_ms = measure(op, inputs, args.warmup, args.iters)
-        rows.append({"block_v": block_v, "num_warps": warps, "num_stages": stages, "fwd_ms": fwd_ms,
-                     "fwd_bwd_ms": fb_ms})
-        print(f"tuning block_v={block_v} warps={warps} stages={stages}: fwd {fwd_ms:.3f} ms, "
-              f"fwd+bwd {fb_ms:.3f} ms at T={args.tune_tokens}", flush=True)
+        rows.append({"tuning": dict(gdn_triton.TUNING), "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms})
+        print(f"tuning {override}: fwd {fwd_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms at T={args.tune_tokens}",
+              flush=True)
     best = min(rows, key=lambda r: r["fwd_bwd_ms"])
-    gdn_triton.SEQUENTIAL_TUNING.update({k: best[k] for k in ("block_v", "num_warps", "num_stages")})
-    print(f"using {gdn_triton.SEQUENTIAL_TUNING}")
+    gdn_triton.TUNING.update(best["tuning"])
+    print(f"using {gdn_triton.TUNING}")
     return rows
 
 

@@ -4,9 +4,15 @@ an fp32 reference), gloo + fp32 on CPU. Prints a table and writes JSON.
     torchrun --nproc_per_node=2 tools/verify_layouts.py [--layouts tp2,pp2_1f1b,...] [--out F]
 
 Errors are ||parallel - reference|| / ||reference|| per gradient (gathered to full shape), worst
-parameter reported; the loss is compared directly. In bf16 the same model on one device under the
-same autocast is measured too ("bf16 1-dev"): a layout passes when its error against fp32 is below
-1e-2 or no worse than 1.5x the single-device bf16 error (bf16 rounding, not parallelism).
+parameter reported, and the error of all gradients taken together ("all params": one vector of every
+parameter a rank holds; the worst pipeline stage). The loss is compared directly.
+
+The bf16 criterion: the same model in bf16 on one device ("bf16 1-dev") is already ~2.5e-2 off fp32
+on the GDN gate projections (b_proj, dt_bias: small gradients summed from cancelling terms) and
+~2e-2 on all gradients together (2xH200, 2026-11-22), so a bare 1e-2 bound would fail the model
+without any parallelism. A layout passes when its loss is within 1e-2 of fp32 and both gradient
+errors are below 1e-2 or no worse than 1.5x the single-device bf16 ones: parallelism adds no error
+beyond bf16 rounding.
 """
 from __future__ import annotations
 
@@ -77,12 +83,18 @@ def verify(layout: dict, model_config: ModelConfig, device, low_precision: bool,
     ref_params = dict(reference.named_parameters())
     errors = {name: norm_err(full(p.grad, p, dims), ref_params[name].grad) for name, p in parallel.named_parameters()}
     worst = max(errors, key=errors.get)
+    diff_sq = sum((full(p.grad, p, dims).double() - ref_params[n].grad.double()).pow(2).sum()
+                  for n, p in parallel.named_parameters())
+    ref_sq = sum(ref_params[n].grad.double().pow(2).sum() for n, _ in parallel.named_parameters())
     result = {"loss_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-              "max_grad_err": _max_over_ranks(errors[worst], device), "worst_param_on_rank0": worst}
+              "max_grad_err": _max_over_ranks(errors[worst], device), "worst_param_on_rank0": worst,
+              "all_params_grad_err": _max_over_ranks((diff_sq / ref_sq).sqrt().item(), device)}
     if single_bf16 is not None:
         _single_device_loss(single_bf16, rows, dtype)
         single = dict(single_bf16.named_parameters())
         result["bf16_1dev_max_grad_err"] = max(norm_err(single[n].grad, ref_params[n].grad) for n in errors)
+        single_diff_sq = sum((single[n].grad.double() - ref_params[n].grad.double()).pow(2).sum() for n in errors)
+        result["bf16_1dev_all_params_grad_err"] = _max_over_ranks((single_diff_sq / ref_sq).sqrt().item(), device)
     return result
 
 
@@ -126,16 +138,19 @@ def main() -> None:
         row = {"layout": name, "precision": "bf16" if cuda else "fp32",
                **verify(LAYOUTS[name], model_config, device, cuda, row_len=args.row_len)}
         allowed = max(tolerance, 1.5 * row.get("bf16_1dev_max_grad_err", 0.0))
-        row["ok"] = row["max_grad_err"] < allowed and row["loss_err"] < tolerance
+        allowed_all = max(tolerance, 1.5 * row.get("bf16_1dev_all_params_grad_err", 0.0))
+        row["ok"] = (row["max_grad_err"] < allowed and row["loss_err"] < tolerance
+                     and row["all_params_grad_err"] < allowed_all)
         rows.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
     if dist.get_rank() == 0:
-        print(f"{'layout':<18}{'prec':<6}{'loss err':>10}{'max grad err':>14}{'bf16 1-dev':>12}  ok")
+        print(f"{'layout':<18}{'prec':<6}{'loss err':>10}{'all params':>12}{'max grad err':>14}"
+              f"{'bf16 1-dev':>12}  ok")
         for r in rows:
             single = r.get("bf16_1dev_max_grad_err")
-            print(f"{r['layout']:<18}{r['precision']:<6}{r['loss_err']:>10.2e}{r['max_grad_err']:>14.2e}"
-                  f"{'-' if single is None else f'{single:.2e}':>12}  {r['ok']}")
+            print(f"{r['layout']:<18}{r['precision']:<6}{r['loss_err']:>10.2e}{r['all_params_grad_err']:>12.2e}"
+                  f"{r['max_grad_err']:>14.2e}{'-' if single is None else f'{single:.2e}':>12}  {r['ok']}")
         with open(args.out, "w") as fh:
             json.dump({"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                        "torch": torch.__version__, "tolerance": tolerance, "rows": rows}, fh, indent=1)

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..ops.rope import positions_from_cu_seqlens
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
-from .loss import IGNORE_INDEX, LinearCrossEntropy, TokenCrossEntropy
+from .loss import IGNORE_INDEX, LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .sequence import SequenceInfo
@@ -105,10 +105,7 @@ class HybridLM(nn.Module):
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         """Summed cross-entropy over tokens with a label, and their count (for global means)."""
-        if getattr(self.criterion, "fuses_lm_head", False):  # applies lm_head chunk by chunk itself
-            loss = self.criterion(hidden, self.lm_head.weight, labels)
-        else:
-            loss = self.criterion(self.lm_head(hidden), labels)
+        loss = lm_head_loss(self.criterion, self.lm_head, hidden, labels)
         return loss, int((labels != IGNORE_INDEX).sum())
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

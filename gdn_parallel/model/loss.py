@@ -14,6 +14,15 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
+def lm_head_loss(criterion: nn.Module, lm_head: nn.Module, hidden: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:
+    """criterion's summed loss of lm_head over hidden; the one place that knows both call forms
+    (HybridLM and the last pipeline stage share it)."""
+    if getattr(criterion, "fuses_lm_head", False):  # applies lm_head chunk by chunk itself
+        return criterion(hidden, lm_head.weight, labels)
+    return criterion(lm_head(hidden), labels)
+
+
 class TokenCrossEntropy(nn.Module):
     """Summed cross-entropy over the tokens whose label is not IGNORE_INDEX (fp32 for half inputs)."""
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_cu_seqlens
+from .validation import check_cu_seqlens, on_device
 
 __all__ = ["causal_conv1d", "causal_conv1d_naive"]
 
@@ -118,6 +118,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     # Packed documents: sum of W shifted copies; the copy shifted by s (token t-s, tap W-1-s) is
     # kept iff t-s is still in t's document, or t is in the first document (which sees the prefix).
+    cu = on_device(cu, x.device)
     doc = torch.searchsorted(cu[1:], torch.arange(T, device=x.device), right=True)
     pos = torch.arange(T, device=x.device) - cu[doc]
     first_doc = doc == 0
@@ -135,14 +136,14 @@ def _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group,
     from ..parallel.cp.conv import cp_causal_conv1d
 
     _check(x, weight, bias, activation, None, prefix)
-    _resolve_impl(impl, x)  # fail early; the local conv on the shard + halo picks "auto"
+    _resolve_impl(impl, x)  # fail early, before the halo exchange; the local conv resolves it again
     if prefix is not None:
         raise ValueError("prefix and cp_group exclude each other: under context parallelism the prefix "
                          "is the halo received from the previous rank")
     if x.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row: x has batch {x.shape[0]}")
     cp = as_cp_context(cp_group, cu_seqlens, x.shape[1], None, x.device)
-    return cp_causal_conv1d(x, weight, bias, activation, cp)
+    return cp_causal_conv1d(x, weight, bias, activation, cp, impl=impl)
 
 
 def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -112,7 +112,12 @@ class CPContext:
 
     @property
     def local_cu_seqlens(self) -> torch.Tensor:
-        return torch.tensor(self.local_cu_list, dtype=torch.long, device=self.device)
+        """Host tensor, made once: the ops read boundaries on the host and keep one device copy
+        (ops.validation.on_device); a fresh device tensor per layer would sync the GPU each time."""
+        cached = self.__dict__.get("_local_cu_cache")
+        if cached is None:
+            cached = self.__dict__["_local_cu_cache"] = torch.tensor(self.local_cu_list, dtype=torch.long)
+        return cached
 
     @property
     def num_local_docs(self) -> int:
@@ -141,10 +146,21 @@ class CPContext:
         return min(width, start - self.global_cu[self.doc_of(start)])
 
     def local_doc_ids(self) -> torch.Tensor:
-        """Global document index of each local token."""
-        cu = torch.tensor(self.global_cu, dtype=torch.long)
-        positions = torch.arange(self.start, self.end)
-        return (torch.bucketize(positions, cu, right=True) - 1).to(self.device)
+        """Global document index of each local token (made once per plan: every layer asks)."""
+        cached = self.__dict__.get("_local_doc_ids_cache")
+        if cached is None:
+            positions = torch.arange(self.start, self.end)
+            ids = torch.bucketize(positions, self.global_cu_seqlens, right=True) - 1
+            cached = self.__dict__["_local_doc_ids_cache"] = ids.to(self.device)
+        return cached
+
+    @property
+    def global_cu_seqlens(self) -> torch.Tensor:
+        """Host tensor of the global boundaries, made once (see local_cu_seqlens)."""
+        cached = self.__dict__.get("_global_cu_cache")
+        if cached is None:
+            cached = self.__dict__["_global_cu_cache"] = torch.tensor(self.global_cu, dtype=torch.long)
+        return cached
 
     def local_positions(self) -> torch.Tensor:
         """Position of each local token inside its (global) document."""

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig, ParallelConfig
 from ..model.hybrid_lm import Block, HybridLM
+from ..model.loss import lm_head_loss
 from ..model.sequence import SequenceInfo
 from .context import wait_pending_sends
 
@@ -223,8 +224,8 @@ class StageModule(nn.Module):
             # No-ops normally; keep the static activation metadata (shape, dtype and, torch 2.11
             # checks it, stride) exact whatever autocast or a layer does.
             return hidden.to(self.hidden_dtype).contiguous()
-        logits = self.lm_head(self.norm(hidden))
-        return self.criterion(logits, labels).to(self.loss_dtype)
+        # lm_head_loss: a fused criterion (fuses_lm_head) takes lm_head's weight, not the logits.
+        return lm_head_loss(self.criterion, self.lm_head, self.norm(hidden), labels).to(self.loss_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ so, with dS' the gradient reaching the chunk's end state,
     dW = -dDelta S^T,  dU = dDelta,  and the UT transform's own backward (dT -> dA = -T^T dT T^T).
 
 Kernels: `delta_grad_local` (first term of dDelta, parallel), `state_backward` (the sequential
-dS chain per document; stores dS' per chunk and the full dDelta), `qkw_backward` (dq, dk, dW and
+dS chain per document; stores dS' per chunk and the full dDelta), `span_summary_backward` (the
+chain over a span from [I | 0] at its end with injections [0 | dO, dDelta_local]: ends in
+[M^T | R], dS_start = M^T dS_end + R, so spans run side by side as in the forward), `qkw_backward` (dq, dk, dW and
 the gate terms from O and S', parallel) and `ut_backward` (dk, dv, dbeta and gate terms through W
 and U, parallel). Matrix products take input-dtype operands with fp32 accumulation, like the
 forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them into dg.
@@ -18,7 +20,8 @@ forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them in
 import triton
 import triton.language as tl
 
-from .common import chunk_gram, decay_matrix, load_gamma, load_rows, load_state, store_rows, store_state
+from .common import (chunk_gram, decay_matrix, identity_columns, load_gamma, load_rows, load_state,
+                     load_value_columns, store_rows, store_state, store_summary)
 
 
 @triton.jit
@@ -167,3 +170,41 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dv, dbeta, dgamma, Tp, H: 
     tl.store(dbeta + (row0 + tl.arange(0, C)) * HV + hv, db)
     gptr = dgamma + hv * Tp + row0 + tl.arange(0, C)
     tl.store(gptr, tl.load(gptr) + dgam)
+
+
+@triton.jit
+def _summary_step(q, k, w, gamma, do, dd_local, dstate, chunk, hv, cols, scale, Tp, H: tl.constexpr,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    row0 = chunk * C
+    gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
+    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    k_to_end = (kk * tl.exp(g_last - gam)[:, None]).to(kk.dtype)
+    d = load_value_columns(dd_local, row0, hv, HV, V, K, C, cols).to(tl.float32) \
+        + tl.dot(k_to_end, dstate.to(kk.dtype))
+    qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
+    q_decayed = (qq * (tl.exp(gam) * scale)[:, None]).to(qq.dtype)
+    dout = load_value_columns(do, row0, hv, HV, V, K, C, cols)
+    ww = load_rows(w, row0, hv, HV, K, C, BK)
+    return dstate * tl.exp(g_last) + tl.dot(tl.trans(q_decayed), dout) - tl.dot(tl.trans(ww), d.to(ww.dtype))
+
+
+@triton.jit
+def span_summary_backward(q, k, w, gamma, do, dd_local, span_first, span_num_chunks, summary, scale, Tp,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                          BK: tl.constexpr, BE: tl.constexpr, INTERPRET: tl.constexpr):
+    col_block, hv, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = col_block * BE + tl.arange(0, BE)
+    first = tl.load(span_first + span)
+    count = tl.load(span_num_chunks + span)
+    dstate = identity_columns(cols, BK, K)
+    if INTERPRET:  # Triton's interpreter cannot take a loaded bound in range()
+        chunk = first + count - 1
+        while chunk >= first:
+            dstate = _summary_step(q, k, w, gamma, do, dd_local, dstate, chunk, hv, cols, scale, Tp,
+                                   H, HV, K, V, C, BK)
+            chunk -= 1
+    else:
+        for step in range(count):
+            dstate = _summary_step(q, k, w, gamma, do, dd_local, dstate, first + count - 1 - step, hv, cols,
+                                   scale, Tp, H, HV, K, V, C, BK)
+    store_summary(summary, dstate, span, hv, HV, K, V, BK, cols)

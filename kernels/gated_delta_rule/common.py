@@ -93,3 +93,29 @@ def unit_lower_inverse(a, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constex
         power = tl.dot(power, power, input_precision=PREC)
         inverse = inverse + tl.dot(inverse, power, input_precision=PREC)
     return inverse
+
+
+@triton.jit
+def load_value_columns(ptr, row0, head, num_heads: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                       C: tl.constexpr, cols):
+    """Rows of a [rows, heads, V] tensor seen through an extended width K + V: columns < K read 0
+    (the part of a span summary that carries the identity), column c >= K reads value column c - K."""
+    rows = row0 + tl.arange(0, C)
+    mask = ((cols >= K) & (cols < K + V))[None, :]
+    return tl.load(ptr + (rows[:, None] * num_heads + head) * V + (cols - K)[None, :], mask=mask, other=0.)
+
+
+@triton.jit
+def identity_columns(cols, BK: tl.constexpr, K: tl.constexpr):
+    """[BK, len(cols)] block of [I_K | 0]."""
+    r = tl.arange(0, BK)
+    return tl.where((r[:, None] == cols[None, :]) & (cols[None, :] < K), 1., 0.)
+
+
+@triton.jit
+def store_summary(ptr, value, span, hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, cols):
+    """Block of a span summary [spans, HV, K, K + V]."""
+    r = tl.arange(0, BK)
+    mask = (r < K)[:, None] & (cols < K + V)[None, :]
+    tl.store(ptr + (span * HV + hv) * K * (K + V) + r[:, None] * (K + V) + cols[None, :], value, mask=mask)

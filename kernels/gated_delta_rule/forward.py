@@ -7,13 +7,15 @@
    with the state in fp32 registers: Delta = U - W S, S <- e^{gamma_C} S + (K e^{gamma_C - gamma})^T Delta.
    Stores the state at the start of every chunk (input dtype: only read back, never carried, so
    the rounding does not accumulate along the sequence) and Delta; the final state in fp32.
+2b. `span_summary_forward`: the same walk over a span of chunks, started from [I | 0] with values
+   [0 | U]; it ends in [M | S_loc], the span's affine map S_end = M S_start + S_loc (scan.py).
 3. `output_forward`: per chunk, head and value block, O = scale (e^gamma Q S + (Q K^T o Gamma) Delta).
 """
 import triton
 import triton.language as tl
 
-from .common import (chunk_gram, decay_matrix, load_gamma, load_rows, load_state, store_rows, store_state,
-                     unit_lower_inverse)
+from .common import (chunk_gram, decay_matrix, identity_columns, load_gamma, load_rows, load_state,
+                     load_value_columns, store_rows, store_state, store_summary, unit_lower_inverse)
 
 
 @triton.jit
@@ -76,6 +78,38 @@ def state_forward(k, w, u, gamma, doc_first_chunk, doc_num_chunks, h0, h, delta,
             state = _state_step(k, w, u, gamma, h, delta, state, chunk, hv, col0, Tp, H, HV, K, V, C, BK, BV)
     if HAS_FINAL:
         store_state(final, state, doc * HV + hv, K, V, BK, BV, col0)
+
+
+@triton.jit
+def _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    row0 = chunk * C
+    ww = load_rows(w, row0, hv, HV, K, C, BK)
+    d = load_value_columns(u, row0, hv, HV, V, K, C, cols).to(tl.float32) - tl.dot(ww, state.to(ww.dtype))
+    gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
+    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    k_to_end = (kk * tl.exp(g_last - gam)[:, None]).to(kk.dtype)
+    return state * tl.exp(g_last) + tl.dot(tl.trans(k_to_end), d.to(kk.dtype))
+
+
+@triton.jit
+def span_summary_forward(k, w, u, gamma, span_first, span_num_chunks, summary, Tp, H: tl.constexpr,
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                         BE: tl.constexpr, INTERPRET: tl.constexpr):
+    col_block, hv, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = col_block * BE + tl.arange(0, BE)
+    first = tl.load(span_first + span)
+    count = tl.load(span_num_chunks + span)
+    state = identity_columns(cols, BK, K)
+    if INTERPRET:  # Triton's interpreter cannot take a loaded bound in range()
+        chunk = first
+        while chunk < first + count:
+            state = _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H, HV, K, V, C, BK)
+            chunk += 1
+    else:
+        for chunk in range(first, first + count):
+            state = _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H, HV, K, V, C, BK)
+    store_summary(summary, state, span, hv, HV, K, V, BK, cols)
 
 
 @triton.jit

@@ -54,6 +54,16 @@ def test_matches_chunk_oracle_fp32(case):
     assert_close(actual, expected, 1e-5)
 
 
+def test_span_parallel_walk_matches(monkeypatch):
+    """Spans of 2 chunks: documents of 1, 2 and 9 chunks (one too short to split, one split 5 ways)."""
+    monkeypatch.setitem(gdn_triton.TUNING, "span_chunks", 2)
+    cu = torch.tensor([0, 37, 150, 700])
+    inputs = gdn_inputs(1, 700, 1, 2, 16, 32, dtype=torch.float32, seed=7, num_states=3, requires_grad=False)
+    expected = run(inputs, "chunk", torch.float64, cu)
+    actual = run(inputs, "triton", torch.float32, cu)
+    assert_close(actual, expected, 1e-5)
+
+
 def test_without_initial_state_fp16():
     inputs = gdn_inputs(1, 96, 2, 4, 32, 32, dtype=torch.float32, seed=3, requires_grad=False)
     expected = run(inputs, "chunk", torch.float64, with_state=False)

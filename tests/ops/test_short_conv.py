@@ -105,3 +105,18 @@ def test_bad_inputs_name_the_argument():
         causal_conv1d(x, w, b, cu_seqlens=torch.tensor([0, 3, 5]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         causal_conv1d(torch.cat((x, x)), w, b, cu_seqlens=torch.tensor([0, 6]))
+
+
+def test_device_copies_of_boundaries_are_made_once_and_follow_edits():
+    """Ops keep one device copy of host boundaries per tensor (a copy per layer would sync the GPU)."""
+    from gdn_parallel.ops.validation import _device_copies, on_device
+
+    cu = torch.tensor([0, 3, 8])
+    first = on_device(cu, "meta")
+    assert first.device.type == "meta" and on_device(cu, "meta") is first
+    assert on_device(cu, "cpu") is cu
+    cu.add_(0)                              # an in-place edit bumps the version: copy again
+    assert on_device(cu, "meta") is not first
+    key = id(cu)
+    del cu
+    assert key not in _device_copies        # dropped with the host tensor

@@ -8,8 +8,7 @@ from gdn_parallel.parallel.context import CPContext
 from tests.ops.gdn_inputs import gdn_inputs
 from tests.parallel.launcher import run_workers
 
-TOTAL = 96
-# Documents crossing 0..3 rank boundaries at CP=4 (shards of 24; at CP=2 shards of 48).
+# 96 tokens; documents crossing 0..3 rank boundaries at CP=4 (shards of 24; at CP=2 shards of 48).
 CASES = {
     "aligned": [0, 24, 48, 72, 96],
     "one_doc_all_ranks": [0, 96],
@@ -28,14 +27,15 @@ def reference(inputs, cu, do, dht, chunk_size):
     return o.detach(), ht.detach(), grads
 
 
-def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size):
-    inputs = gdn_inputs(1, TOTAL, H, HV, 8, 6, dtype=dtype, seed=seed, num_states=len(cu) - 1)
+def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size, impl="chunk"):
+    total = cu[-1]
+    inputs = gdn_inputs(1, total, H, HV, 8, 6, dtype=dtype, seed=seed, num_states=len(cu) - 1)
     gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(1, TOTAL, HV, 6, generator=gen, dtype=dtype)
+    do = torch.randn(1, total, HV, 6, generator=gen, dtype=dtype)
     dht = torch.randn(len(cu) - 1, HV, 8, 6, generator=gen, dtype=dtype)
     o_ref, ht_ref, grads_ref = reference(inputs, cu, do, dht, chunk_size)
 
-    cp = CPContext.build(dist.group.WORLD, torch.tensor(cu), TOTAL // world, algorithm)
+    cp = CPContext.build(dist.group.WORLD, torch.tensor(cu), total // world, algorithm)
     s, e = cp.start, cp.end
     starting = [d for d in range(len(cu) - 1) if s <= cu[d] < e]
     ending = [d for d in range(len(cu) - 1) if s < cu[d + 1] <= e]
@@ -43,7 +43,7 @@ def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size):
     h0 = inputs[5].detach()[starting].clone().requires_grad_()
     o, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                              cu_seqlens=torch.tensor(cu), cp_group=dist.group.WORLD,
-                             cp_algorithm=algorithm, chunk_size=chunk_size)
+                             cp_algorithm=algorithm, chunk_size=chunk_size, impl=impl)
     loss = (o * do[:, s:e]).sum() + (ht * dht[ending]).sum()
     loss.backward()
     cp.wait_pending()
@@ -77,3 +77,20 @@ def all_cases(rank, world, algorithm):
 @pytest.mark.parametrize("algorithm", ["relay", "allgather"])
 def test_cp_gated_delta_rule_matches_single_process(world, algorithm):
     assert all(run_workers(all_cases, world, algorithm))
+
+
+def triton_cases(rank, world, algorithm):
+    """The fused kernels (Triton's interpreter on CPU, fp32) under both CP algorithms."""
+    for i, name in enumerate(["one_doc_all_ranks", "two_crossings", "tiny_docs"]):
+        check_case(rank, world, CASES[name], algorithm, torch.float32, 2, 2 * (1 + i % 2), 2e-5, seed=50 + i,
+                   chunk_size=64, impl="triton")
+    # Shards of several chunks: the allgather summary runs several spans and folds them.
+    check_case(rank, world, [0, 50, 130 * world], algorithm, torch.float32, 1, 1, 2e-5, seed=60,
+               chunk_size=64, impl="triton")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("algorithm", ["relay", "allgather"])
+def test_cp_triton_matches_single_process(world, algorithm):
+    assert all(run_workers(triton_cases, world, algorithm))

@@ -1,6 +1,6 @@
-"""Pipeline parallelism (1F1B, interleaved, and pp x cp) equals one process: the loss, every
-parameter gradient (on the pp rank that holds the parameter) and the parameters after two AdamW
-steps; plus the layer balancing of the stages."""
+"""Pipeline parallelism (1F1B, interleaved, pp x cp, and the fused linear cross-entropy also under
+pp x tp) equals one process: the loss, every parameter gradient (on the pp rank that holds the
+parameter) and the parameters after two AdamW steps; plus the layer balancing of the stages."""
 import copy
 import itertools
 
@@ -16,6 +16,7 @@ from gdn_parallel.ops.rope import positions_from_cu_seqlens
 from gdn_parallel.parallel.cp.batch import all_reduce_gradients, shard_batch
 from gdn_parallel.parallel.pipeline import (PipelineRunner, StageModule, build_pipeline,
                                             stage_costs, stage_ids_for_rank, stage_layer_ranges)
+from gdn_parallel.parallel.tensor import apply_tensor_parallel, full_tensor, reduce_tp_partial_grads
 from tests.parallel.launcher import run_workers
 
 TOTAL = 32   # tokens of one microbatch row
@@ -38,11 +39,12 @@ def make_batch(cu, seed):
     return PackedBatch(ids, labels, positions_from_cu_seqlens(cu_t, TOTAL).unsqueeze(0), cu_t)
 
 
-def model_config(tie=False):
+def model_config(tie=False, fused=False):
     # G, S and A layers; the window (5) is shorter than the documents, so SWA halos matter.
     return ModelConfig(vocab_size=64, hidden_size=32, n_layers=4, layer_pattern="GSAG", gdn_num_heads=2,
                        gdn_num_v_heads=4, gdn_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2,
-                       window_size=5, gdn_chunk_size=8, intermediate_size=48, tie_word_embeddings=tie)
+                       window_size=5, gdn_chunk_size=8, intermediate_size=48, tie_word_embeddings=tie,
+                       fused_linear_cross_entropy=fused)
 
 
 def rel_err(a, b):
@@ -58,17 +60,33 @@ def reference_step(model, batches):
     return loss.detach()
 
 
-def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=False):
+def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=False, fused=False,
+                tp_group=None):
+    """fused: the pipelined model uses the fused linear cross-entropy, the reference the default
+    criterion. tp_group: tensor parallelism inside the stages (gradients and parameters compared
+    all-gathered to full shape)."""
     n_mb = parallel.microbatches
     torch.manual_seed(0)
     reference = HybridLM(model_config(tie)).double()
     model = copy.deepcopy(reference)
+    if fused:
+        parallel.validate(model_config(tie, fused=True))   # the option is accepted with pp > 1
+        model = HybridLM(model_config(tie, fused=True)).double()
+        model.load_state_dict(reference.state_dict())
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group)   # before the split, as parallelize() does
+    assert model.criterion.fuses_lm_head == fused   # under tp: VocabParallelLinearCrossEntropy
+
+    def full(t, p):   # a collective under tp: every tp rank of a pp rank compares the same names
+        return t if tp_group is None else full_tensor(t, p, tp_group)
+
     runner = build_pipeline(model, parallel, "cpu", pp_group=pp_group, seq_len=TOTAL)
     names = {id(p): n for n, p in model.named_parameters()}
     local = {names[id(p)] for p in runner.parameters()}
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.1)
-    tag = f"pp_rank={pp_rank} cp_rank={cp_rank} {parallel.pp_schedule} v={parallel.virtual_stages}"
+    tag = (f"pp_rank={pp_rank} cp_rank={cp_rank} {parallel.pp_schedule} v={parallel.virtual_stages} "
+           f"fused={fused} tp={parallel.tp}")
     for step, layouts in enumerate(LAYOUTS):
         batches = [make_batch(cu, seed=10 * step + i) for i, cu in enumerate(layouts[:n_mb])]
         ref_loss = reference_step(reference, batches)
@@ -81,11 +99,13 @@ def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=
         if cp_group is not None:
             dist.all_reduce(loss, group=cp_group)
             all_reduce_gradients(model, cp_group)
+        if tp_group is not None:
+            reduce_tp_partial_grads(model, tp_group)
         assert rel_err(loss, ref_loss) < 1e-12, f"loss step={step} {tag}"
         for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
             if name in local:
                 assert p.grad is not None, f"{name} has no grad, {tag}"
-                assert rel_err(p.grad, p_ref.grad) < 1e-9, f"{name} grad step={step}, {tag}"
+                assert rel_err(full(p.grad, p), p_ref.grad) < 1e-9, f"{name} grad step={step}, {tag}"
             else:
                 assert p.grad is None, f"{name} is not on this rank but got a gradient, {tag}"
         opt_ref.step()
@@ -94,7 +114,8 @@ def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=
         opt.zero_grad()
         for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
             if name in local:
-                assert rel_err(p.detach(), p_ref.detach()) < 1e-9, f"{name} after step={step}, {tag}"
+                got = full(p.detach(), p)
+                assert rel_err(got, p_ref.detach()) < 1e-9, f"{name} after step={step}, {tag}"
     # Forward only (evaluation) on the trained parameters.
     with torch.no_grad():
         ref_loss = sum(reference(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens).loss_sum
@@ -116,16 +137,20 @@ def pp_cases(rank, world):
     # Tied embeddings: the weight lives on the first and the last stage (two ranks).
     parallel = ParallelConfig(pp=world, pp_schedule="1f1b", microbatches=len(LAYOUTS[0]))
     results["tied"] = train_equal(rank, parallel, tie=True)
+    # The fused linear cross-entropy on the last stage (tied: its weight is the embedding's).
+    for tie in (False, True):
+        results[f"fused tie={tie}"] = train_equal(rank, parallel, tie=tie, fused=True)
     return results
 
 
 def test_pipeline_pp2_1f1b_and_interleaved_match_single_process():
     results = run_workers(pp_cases, 2)
-    for case in ("1f1b", "interleaved", "tied"):
+    for case in ("1f1b", "interleaved", "tied", "fused tie=False", "fused tie=True"):
         held = [set(r[case]) for r in results]
-        everything = {n for n, _ in HybridLM(model_config(tie=case == "tied")).named_parameters()}
+        tied = case in ("tied", "fused tie=True")
+        everything = {n for n, _ in HybridLM(model_config(tie=tied)).named_parameters()}
         assert held[0] | held[1] == everything, case
-        if case != "tied":
+        if not tied:
             assert not held[0] & held[1], case      # each parameter lives on exactly one pp rank
     # 1F1B: rank 0 holds the embeddings, rank 1 the head. Interleaved: 4 stages of one layer, rank 0
     # holds stages 0 and 2, rank 1 stages 1 and 3 (with the head).
@@ -150,6 +175,19 @@ def pp_cp_case(rank, world):
 
 def test_pipeline_pp2_cp2_matches_single_process():
     assert all(run_workers(pp_cp_case, 4))
+
+
+def pp_tp_fused_case(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    parallel = ParallelConfig(pp=2, tp=2, pp_schedule="1f1b", microbatches=2)
+    train_equal(mesh.get_local_rank("pp"), parallel, pp_group=mesh.get_group("pp"), fused=True,
+                tp_group=mesh.get_group("tp"))
+    return True
+
+
+def test_pipeline_pp2_tp2_fused_linear_cross_entropy_matches_single_process():
+    # Under tp the last stage's criterion is VocabParallelLinearCrossEntropy (lm_head split by vocab).
+    assert all(run_workers(pp_tp_fused_case, 4))
 
 
 # ------------------------------------------------------------------------- no processes

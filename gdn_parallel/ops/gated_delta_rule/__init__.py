@@ -2,6 +2,7 @@
 form (`chunk`) and, on CUDA, the Triton kernels (`triton`). See DESIGN §1."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -20,7 +21,11 @@ __all__ = ["gated_delta_rule", "summarize_segment", "l2_normalize", "IMPLS"]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (or float64)."""
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (or float64); one fused kernel on
+    CUDA."""
+    if x.is_cuda and x.dtype != torch.float64 and _triton_available():
+        from gdn_kernels.norms import triton_l2_normalize
+        return triton_l2_normalize(x, eps)
     dtype = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dtype)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
@@ -87,8 +92,10 @@ def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state
         raise ValueError("impl='naive' is the single-process oracle; context parallelism runs the chunk "
                          "algorithm (impl='chunk' or 'auto')")
     cp = as_cp_context(cp_group, cu_seqlens, q.shape[1], cp_algorithm, q.device)
+    if impl == "triton":
+        _check_triton(q, chunk_size)
     return cp_gated_delta_rule(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
-                               initial_state=initial_state, output_final_state=output_final_state)
+                               initial_state=initial_state, output_final_state=output_final_state, impl=impl)
 
 
 def summarize_segment(k, v, g, beta, *, cu_seqlens: Optional[torch.Tensor] = None,
@@ -135,11 +142,12 @@ def _naive_per_document(q, k, v, g, beta, scale, initial_state, lengths):
 def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     if impl != "auto":
         return impl
-    if x.is_cuda and _triton_available():
+    if x.is_cuda and x.dtype != torch.float64 and _triton_available():
         return "triton"
     return "chunk"
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
     try:
         import gdn_kernels.gated_delta_rule  # noqa: F401
@@ -149,8 +157,15 @@ def _triton_available() -> bool:
 
 
 def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    _check_triton(q, chunk_size)
+    from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
+    return triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _check_triton(q, chunk_size):
     try:
-        from gdn_kernels.gated_delta_rule import CHUNK, triton_gated_delta_rule
+        from gdn_kernels.gated_delta_rule import CHUNK
     except ImportError as err:
         raise RuntimeError(f"impl='triton' needs triton and the gdn_kernels package ({err}); "
                            f"use impl='chunk' or 'auto'") from err
@@ -163,8 +178,6 @@ def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if chunk_size != CHUNK:
         raise ValueError(f"impl='triton' runs chunks of {CHUNK} tokens, got chunk_size={chunk_size}; "
                          f"leave chunk_size at its default or use impl='chunk'")
-    return triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ...ops.attention import masked_attention
+from ...ops.validation import on_device
 from ..context import CPContext
 from .halo import exchange_halo
 from .p2p import all_gather, tie
@@ -28,7 +29,7 @@ def cp_attention(q, k, v, *, window: Optional[int], scale, impl: str, cp: CPCont
         k_all = all_gather(cp, torch.cat([k[0], v[0]], dim=-1))           # [P, L, HKV, Dk + Dv]
         kv = k_all.reshape(1, cp.total, *k_all.shape[2:])
         k_index = torch.arange(cp.total, device=device)
-        cu = torch.tensor(cp.global_cu, device=device)
+        cu = on_device(cp.global_cu_seqlens, device)
         k_doc = torch.bucketize(k_index, cu, right=True) - 1
     else:
         kv_local = torch.cat([k, v], dim=-1)

@@ -9,7 +9,8 @@ from .halo import exchange_halo
 from .p2p import tie
 
 
-def cp_causal_conv1d(x, weight, bias, activation, cp: CPContext) -> torch.Tensor:
+def cp_causal_conv1d(x, weight, bias, activation, cp: CPContext, impl: str = "auto") -> torch.Tensor:
+    """`impl` as in causal_conv1d: it selects the local conv that runs on the shard + halo."""
     B, _, D = x.shape
     width = weight.shape[1] - 1
     anchors = tuple(t for t in (weight, bias) if t is not None)
@@ -17,5 +18,6 @@ def cp_causal_conv1d(x, weight, bias, activation, cp: CPContext) -> torch.Tensor
     prefix = None
     if halo is not None:  # zeros stand for positions before the document's start
         prefix = torch.cat([x.new_zeros(B, width - halo.shape[1], D), halo], dim=1)
-    y = causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cp.local_cu_seqlens, prefix=prefix)
+    y = causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cp.local_cu_seqlens, prefix=prefix,
+                      impl=impl)
     return tie(y, token)
