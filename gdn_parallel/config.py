@@ -166,6 +166,7 @@ class TrainConfig:
     threads: int = 0             # 0: leave torch's default
     out_dir: str = ""            # where metrics.jsonl and loss.png go; empty: nowhere
     peak_tflops: float = 0.0     # per device, for MFU; 0: look up CUDA devices, none on CPU
+    activation_checkpointing: str = "none"   # "full": recompute each block in the backward
 
     def validate(self) -> None:
         _positive(self, "seq_len", "batch_size", "steps", "lr", "log_every", "eval_batches")
@@ -176,6 +177,9 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"train.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+        if self.activation_checkpointing not in ("none", "full"):
+            raise ConfigError(f"train.activation_checkpointing={self.activation_checkpointing!r}; choose "
+                              f"'none' or 'full' (recompute every block in the backward)")
 
 
 @dataclass

@@ -30,6 +30,7 @@ from gdn_parallel.data.packing import PackedBatch, pack_pieces
 from gdn_parallel.model import HybridLM
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
 from gdn_parallel.ops.rope import positions_from_cu_seqlens
+from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing
 from gdn_parallel.parallel.context import CPContext, wait_pending_sends
 from gdn_parallel.parallel.cp.batch import cp_loss, shard_batch
 
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--algorithms", type=csv(str), default=["relay", "allgather"])
     p.add_argument("--levels", type=csv(str), default=["model", "op"])
     p.add_argument("--docs", type=int, default=1, help="equal documents in the packed global row")
+    p.add_argument("--activation-checkpointing", default="none", choices=["none", "full"],
+                   help="recompute every block in the backward (long sequences per rank)")
     p.add_argument("--no-fla", action="store_true", help="skip fla-core's op even if importable")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -297,6 +300,7 @@ def main(argv=None) -> int:
         for kind in args.model:
             torch.manual_seed(0)
             model = HybridLM(model_config(args, kind)).to(b.device, b.dtype)
+            apply_activation_checkpointing(model, args.activation_checkpointing)
             b.log(f"model {kind}: {model.config.layer_types}, "
                   f"{model.num_parameters() / 1e6:.1f} M parameters")
             for tokens in tokens_list:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import ParallelConfig
 from ..model import HybridLM
+from .checkpointing import apply_activation_checkpointing
 from .context import wait_pending_sends
 from .cp.batch import all_reduce_gradients, shard_batch
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
@@ -116,12 +117,14 @@ class ParallelModel:
 
 def parallelize(model: HybridLM, dims: ParallelDims, config: Optional[ParallelConfig] = None,
                 device=None, param_dtype: Optional[torch.dtype] = None,
-                seq_len: Optional[int] = None) -> ParallelModel:
+                seq_len: Optional[int] = None, activation_checkpointing: str = "none") -> ParallelModel:
     """Apply tp, pp, dp (and cp, through the batches) to `model`, initialised identically on every
-    rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision."""
+    rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision;
+    `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py)."""
     config = config or dims.config
     config.validate(model.config)
     device = device or next(model.parameters()).device
+    apply_activation_checkpointing(model, activation_checkpointing)   # first: wraps blocks in place
     if config.tp > 1:
         apply_tensor_parallel(model, dims.group("tp"), config.sequence_parallel)
     runner = None

@@ -51,7 +51,8 @@ def run_distributed_training(config: Config, print_fn=None) -> dict:
         model = HybridLM(config.model).to(device)
         flops_per_token = float(model.flops_per_token(train.seq_len))  # before tensor parallel slicing
         num_parameters = model.num_parameters()
-        parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len)
+        parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len,
+                               activation_checkpointing=train.activation_checkpointing)
         optimizer = torch.optim.AdamW(param_groups(parallel.parameters(), train.weight_decay),
                                       lr=train.lr, betas=(train.beta1, train.beta2), fused=cuda)
         schedule = schedule_from_config(train)

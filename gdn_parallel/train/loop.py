@@ -104,9 +104,11 @@ def run_training(config: Config, print_fn=None) -> dict:
         say(f"note: train.dtype={train.dtype} applies to CUDA autocast; training in float32 on {device}")
 
     from ..model import HybridLM  # the model package is imported only when training starts
+    from ..parallel.checkpointing import apply_activation_checkpointing
 
     corpus = load_corpus(config.data)
     model = HybridLM(config.model).to(device)
+    apply_activation_checkpointing(model, train.activation_checkpointing)
     model.train()
     optimizer = build_optimizer(model, train, device)
     schedule = schedule_from_config(train)
