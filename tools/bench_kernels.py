@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule  # noqa: E402
-from tools.bench_common import free_memory, is_oom  # noqa: E402
+from tools.bench_common import free_memory, is_oom, timed_ms  # noqa: E402
 
 FORWARD_FLOP_PER_TOKEN_HEAD = 176e3
 
@@ -69,18 +69,12 @@ def fla_op():
 
 
 def timed(fn, warmup, iters):
+    """Median CUDA-event milliseconds of fn() after `warmup` untimed runs."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    times = sorted(timed_ms(fn, torch.device("cuda")) for _ in range(iters))
+    return times[len(times) // 2]
 
 
 def measure(op, inputs, warmup, iters):

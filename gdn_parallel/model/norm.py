@@ -1,11 +1,11 @@
 """RMSNorm and the gated RMSNorm (swish gate) that closes a Gated DeltaNet layer."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..ops.triton_dispatch import auto_uses_triton, kernel_module
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     On CUDA the fused Triton kernel serves (x read once, forward and backward); elsewhere, or where
     it does not apply, the PyTorch formula below."""
     if _fused_applies(x, gate):
-        return _norm_kernels().triton_rms_norm(x, weight, eps, gate)
+        return kernel_module("norms").triton_rms_norm(x, weight, eps, gate)
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = (normed * weight.to(normed.dtype)).to(x.dtype)
@@ -39,19 +39,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
 
 
 def _fused_applies(x: torch.Tensor, gate) -> bool:
-    # the kernel computes in fp32 (float64 keeps the exact path), holds a row in registers and
-    # reads the gate element for element (no broadcasting)
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    kernels = _norm_kernels()
-    return (kernels is not None and x.shape[-1] <= kernels.MAX_HIDDEN
+    # the kernel holds a row in registers and reads the gate element for element (no broadcasting)
+    return (auto_uses_triton(x, "norms") and x.shape[-1] <= kernel_module("norms").MAX_HIDDEN
             and (gate is None or gate.shape == x.shape))
-
-
-@functools.lru_cache(maxsize=None)
-def _norm_kernels():
-    try:
-        import gdn_kernels.norms as kernels
-    except ImportError:  # no triton or no gdn_kernels: the PyTorch path serves
-        return None
-    return kernels

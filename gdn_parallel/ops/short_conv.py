@@ -9,49 +9,32 @@ before x[:, 0]). Later documents of the row started on this rank, so they never 
 """
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
 from .validation import check_cu_seqlens, on_device
 
 __all__ = ["causal_conv1d", "causal_conv1d_naive"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 _IMPLS = ("auto", "torch", "triton")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel accumulates in fp32
 
 
-@functools.cache
 def _triton_kernel():
-    """The fused Triton conv, or None when triton (or gdn_kernels) cannot be imported."""
-    try:
-        from gdn_kernels.short_conv import triton_causal_conv1d
-    except ImportError:
-        return None
-    return triton_causal_conv1d
+    """The fused Triton conv (a function of its own so tests can count its calls)."""
+    return kernel_module("short_conv").triton_causal_conv1d
 
 
 def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "auto":
-        usable = x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_kernel() is not None
-        return "triton" if usable else "torch"
+        return "triton" if auto_uses_triton(x, "short_conv") else "torch"
     if impl == "triton":
-        if _triton_kernel() is None:
-            raise ImportError("impl='triton' needs the Triton kernels: install triton (pip install "
-                              "'gdn-parallel[gpu]') and gdn-parallel itself (gdn_kernels), "
-                              "or use impl='torch'")
-        if x.dtype not in _TRITON_DTYPES:
-            raise ValueError(f"impl='triton' supports x of dtype fp16/bf16/fp32, got {x.dtype}; "
-                             "use impl='torch'")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
-                             "interpreter); use impl='torch' on CPU")
+        check_triton_input(x, "short_conv", "torch")
     return impl
 
 

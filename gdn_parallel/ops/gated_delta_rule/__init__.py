@@ -2,12 +2,11 @@
 form (`chunk`) and, on CUDA, the Triton kernels (`triton`). See DESIGN §1."""
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
 
+from ..triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
 from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_factors, chunk_gated_delta_rule
 from .layout import build_layout
@@ -23,9 +22,8 @@ __all__ = ["gated_delta_rule", "summarize_segment", "l2_normalize", "IMPLS"]
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (or float64); one fused kernel on
     CUDA."""
-    if x.is_cuda and x.dtype != torch.float64 and _triton_available():
-        from gdn_kernels.norms import triton_l2_normalize
-        return triton_l2_normalize(x, eps)
+    if auto_uses_triton(x, "norms"):
+        return kernel_module("norms").triton_l2_normalize(x, eps)
     dtype = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dtype)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
@@ -142,42 +140,21 @@ def _naive_per_document(q, k, v, g, beta, scale, initial_state, lengths):
 def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     if impl != "auto":
         return impl
-    if x.is_cuda and x.dtype != torch.float64 and _triton_available():
-        return "triton"
-    return "chunk"
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import gdn_kernels.gated_delta_rule  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    return "triton" if auto_uses_triton(x, "gated_delta_rule") else "chunk"
 
 
 def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-    _check_triton(q, chunk_size)
-    from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
-    return triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    kernels = _check_triton(q, chunk_size)
+    return kernels.triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def _check_triton(q, chunk_size):
-    try:
-        from gdn_kernels.gated_delta_rule import CHUNK
-    except ImportError as err:
-        raise RuntimeError(f"impl='triton' needs triton and the gdn_kernels package ({err}); "
-                           f"use impl='chunk' or 'auto'") from err
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"impl='triton' takes float32, float16 or bfloat16 inputs, got {q.dtype}; "
-                         f"use impl='chunk' for float64")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 to run Triton's "
-                         "interpreter on CPU); use impl='chunk' or 'auto'")
-    if chunk_size != CHUNK:
-        raise ValueError(f"impl='triton' runs chunks of {CHUNK} tokens, got chunk_size={chunk_size}; "
+    kernels = check_triton_input(q, "gated_delta_rule", "chunk")
+    if chunk_size != kernels.CHUNK:
+        raise ValueError(f"impl='triton' runs chunks of {kernels.CHUNK} tokens, got chunk_size={chunk_size}; "
                          f"leave chunk_size at its default or use impl='chunk'")
+    return kernels
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
