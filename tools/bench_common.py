@@ -111,6 +111,36 @@ def measure(step, warmup: int, iters: int, device: torch.device) -> dict:
     return {"ms": None if oom else ms, "peak_gb": round(peak, 2), "oom": oom}
 
 
+def profile_step(step, device: torch.device, top: int = 15) -> dict:
+    """One `step` under torch.profiler: wall time, the summed time of the device's kernels (busy),
+    and the kernels taking most of it, for telling compute from waiting (wall - busy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()  # nothing cold inside the profile
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = []
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(evt, "self_cuda_time_total", 0)
+        if device_us > 0:
+            kernels.append((evt.key[:90], device_us / 1e3, evt.count))
+    kernels.sort(key=lambda item: -item[1])
+    return {"wall_ms": round(wall_ms, 2), "busy_ms": round(sum(k[1] for k in kernels), 2),
+            "top": [{"kernel": name, "ms": round(t, 3), "calls": n} for name, t, n in kernels[:top]]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def env_info(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(),
             "world_size": dist.get_world_size(), "backend": dist.get_backend(),

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from bench_common import env_info, free_memory, measure, print_table, setup_distributed, write_json
+from bench_common import (env_info, free_memory, measure, print_table, profile_step, setup_distributed,
+                          write_json)
 
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.data.packing import PackedBatch, pack_pieces
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "bench_cp.json") if os.environ.get("OUT")
                    else "bench_cp.json")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 sizes for a CPU check")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one model step per setting; every rank writes profile_rank<r>.json "
+                        "next to --out (busy vs wall time, top kernels)")
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.hidden, args.heads, args.head_dim = 2, 64, 2, 16
@@ -90,17 +94,21 @@ class Bench:
             # rank's thread pool on tiny ops) from fighting over the cores.
             torch.set_num_threads(1)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.rows, self.notes = [], []
+        self.rows, self.notes, self.profiles = [], [], {}
         self.info = env_info(self.device)
 
     def log(self, text: str) -> None:
         if self.rank == 0:
             print(f"[bench_cp] {text}", flush=True)
 
-    def time(self, label: str, step) -> dict:
+    def time(self, label: str, step, profiled: bool = False) -> dict:
         result = measure(step, self.args.warmup, self.args.iters, self.device)
         what = "oom" if result["oom"] else f"{result['ms']:.1f} ms"
         self.log(f"{label}: {what} (peak {result['peak_gb']} GB)")
+        if profiled and self.args.profile and not result["oom"]:
+            self.profiles[label] = profile_step(step, self.device)
+            path = os.path.join(os.path.dirname(os.path.abspath(self.args.out)), f"profile_rank{self.rank}.json")
+            write_json(path, self.profiles)
         return result
 
     def add_row(self, row: dict) -> None:
@@ -166,7 +174,7 @@ def bench_model(b: Bench, kind: str, tokens: int, model: HybridLM) -> None:
         out = model(base.input_ids, labels=base.labels, cu_seqlens=cu, position_ids=positions)
         (out.loss_sum / base.num_label_tokens).backward()
 
-    cp1 = b.time(f"model {name} T/rank={tokens} cp=1", single_step)
+    cp1 = b.time(f"model {name} T/rank={tokens} cp=1", single_step, profiled=True)
     for algorithm in args.algorithms:
         row = {"level": "model", "name": name, "algorithm": algorithm, "tokens_per_rank": tokens,
                "t_cp1_ms": ms(cp1), "peak_cp1_gb": cp1["peak_gb"]}
@@ -183,7 +191,7 @@ def bench_model(b: Bench, kind: str, tokens: int, model: HybridLM) -> None:
             cp_loss(model, shard).backward()
             wait_pending_sends()
 
-        cpn = b.time(f"model {name} T/rank={tokens} cp={b.world} {algorithm}", cp_step)
+        cpn = b.time(f"model {name} T/rank={tokens} cp={b.world} {algorithm}", cp_step, profiled=True)
         b.add_row({**row, "t_cpn_ms": ms(cpn), "peak_cpn_gb": cpn["peak_gb"]})
     model.zero_grad(set_to_none=True)
     free_memory(b.device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -66,14 +65,12 @@ class GatedDeltaNet(nn.Module):
         q = self.q_conv1d(self.q_proj(x), seq).view(B, T, self.num_heads, self.head_k_dim)
         k = self.k_conv1d(self.k_proj(x), seq).view(B, T, self.num_heads, self.head_k_dim)
         v = self.v_conv1d(self.v_proj(x), seq).view(B, T, self.num_v_heads, self.head_v_dim)
-        beta = self.b_proj(x).sigmoid()
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
-        gate_dtype = torch.promote_types(x.dtype, torch.float32)  # the decay in fp32 at least
-        g = -self.A_log.to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype)
-                                                         + self.dt_bias.to(gate_dtype))
-        o, _ = gated_delta_rule(q, k, v, g, beta, cu_seqlens=seq.cu_seqlens, use_qk_l2norm=True,
-                                impl=self.impl, chunk_size=self.chunk_size, cp_group=seq.cp)
+        # beta = sigmoid(b) (x2 with negative eigenvalues) and g = -exp(A_log) softplus(a + dt_bias) in
+        # fp32: the op applies them (inside the kernels' first launch on the GPU).
+        o, _ = gated_delta_rule(q, k, v, self.a_proj(x), self.b_proj(x), cu_seqlens=seq.cu_seqlens,
+                                use_qk_l2norm=True, impl=self.impl, chunk_size=self.chunk_size, cp_group=seq.cp,
+                                decay_params=(self.A_log, self.dt_bias),
+                                beta_activation="2sigmoid" if self.allow_neg_eigval else "sigmoid")
         gate = None if self.g_proj is None else self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
 

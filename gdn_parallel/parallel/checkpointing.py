@@ -5,10 +5,11 @@ token drops from every activation of every layer to one hidden vector per layer,
 forward. Blocks are wrapped in place (their `forward`), so parameter names and the hooks that tensor,
 pipeline and data parallelism put on modules stay as they are.
 
-Under context parallelism a recomputed block re-runs its hand-overs (state relay, conv and window
-halos, all-gathers): every rank recomputes the same blocks in the same order, so the re-sent
-messages pair up. Recomputation must therefore run the whole block, never stop early (PyTorch's
-default early stop would skip the sends after the last saved tensor).
+Under context parallelism a recomputed block does not communicate again: what it received in its
+first forward (states, halos, all-gathered summaries) is replayed from a log and its sends are
+skipped (parallel/cp/replay.py), so the backward of a layer never waits on another rank's
+recomputation. Recomputation runs the whole block (no early stop), so that the log is read through
+in the order it was written.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import functools
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from .cp.replay import ReplayLog
 
 MODES = ("none", "full")
 
@@ -43,5 +46,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 def _checkpointed_forward(forward, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
         return forward(*args, **kwargs)
+    log = ReplayLog()
     with set_checkpoint_early_stop(False):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (log.recording(), log.replaying()),
+                          **kwargs)

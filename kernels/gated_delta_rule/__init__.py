@@ -2,13 +2,14 @@
 
 Documents are laid out chunk-aligned (padded at their ends with state-preserving tokens) so that no
 kernel ever sees a chunk that straddles two documents; only the sequential kernels need to know
-where documents start. Between forward and backward only the UT inverse T ([Tp, HV, 64], input
-dtype) is kept; the backward recomputes W, U, the chunk states and Delta (storing the states,
-[chunks, HV, K, V], would cost twice the size of q, k and v together for every GDN layer).
+where documents start. Between forward and backward the UT inverse T ([Tp, HV, 64], input dtype) is
+kept, and by default W, the chunk states and Delta too (TUNING["save_chunk_states"]; without it the
+backward recomputes them, one more forward walk).
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Optional
 
@@ -19,6 +20,7 @@ from gdn_parallel.ops.gated_delta_rule.layout import build_layout
 
 from . import backward as bwd
 from . import forward as fwd
+from .gates import gate_backward, gate_forward
 from .scan import ScanPlan, fold, plan_scan
 
 CHUNK = 64
@@ -27,11 +29,25 @@ __all__ = ["triton_gated_delta_rule", "CHUNK"]
 
 
 def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: Optional[torch.Tensor] = None,
-                            output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
+                            output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                            decay_params=None, beta_activation: Optional[str] = None, use_qk_l2norm: bool = False,
+                            relay=None):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] (see gated_delta_rule for the meaning).
+
+    In-kernel activations (gates.py): with decay_params = (A_log, dt_bias), [HV] each, g holds the
+    raw logits a of the log decay -exp(A_log) * softplus(a + dt_bias); with beta_activation
+    "sigmoid" or "2sigmoid", beta holds logits; with use_qk_l2norm, q and k are L2-normalised (eps
+    1e-6). Their gradients come back to the raw inputs, A_log and dt_bias.
 
     Returns (o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32 or None). Give `cu_seqlens`
     on the host (a CPU tensor or a list): read from the GPU it costs a device sync per call.
+
+    relay (context parallelism; None otherwise): an object with attributes `receives`, `sends` and
+    methods `receive_state() -> [1, HV, K, V]`, `send_state(s)`, `receive_state_grad() -> [1, HV, K, V]`,
+    `send_state_grad(ds)`. If it receives, the first document's initial state comes from it (then
+    `initial_state` holds only the other documents', N - 1 of them) and its gradient goes back to it
+    right after the backward walk; if it sends, the last document's final state goes to it right
+    after the forward walk, before the outputs, and its gradient is taken from it.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -41,9 +57,15 @@ def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: Op
         bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
     layout, plan = _layout_and_plan(lengths, v.device, TUNING["span_chunks"])
-    flat = [layout.pad(x.reshape(B * T, *x.shape[2:])).flatten(0, 1) for x in (q, k, v, g, beta)]
-    flat = [x.contiguous() for x in flat]
-    o, final = _ChunkGatedDeltaRule.apply(*flat, initial_state, scale, plan, output_final_state)
+    # Padding tokens must keep the state: decay 0 and beta 0, i.e. logits -inf when activated here.
+    fills = (0.0, 0.0, 0.0, 0.0 if decay_params is None else -math.inf, 0.0 if beta_activation is None else -math.inf)
+    flat = [layout.pad(x.reshape(B * T, *x.shape[2:]), fill).flatten(0, 1).contiguous()
+            for x, fill in zip((q, k, v, g, beta), fills)]
+    A_log, dt_bias = (None, None) if decay_params is None else decay_params
+    if relay is not None and relay.receives and initial_state is None and plan.num_docs > 1:
+        initial_state = torch.zeros(plan.num_docs - 1, HV, K, V, device=v.device)
+    o, final = _ChunkGatedDeltaRule.apply(*flat, initial_state, A_log, dt_bias, scale, plan, output_final_state,
+                                          beta_activation, use_qk_l2norm, relay)
     o = layout.unpad(o.view(layout.num_chunks, CHUNK, HV, V)).view(B, T, HV, V)
     return o, (final if output_final_state else None)
 
@@ -69,61 +91,78 @@ def _blocks(K: int, V: int):
 
 
 def _precision(x: torch.Tensor) -> str:
-    return TUNING["inverse_precision"] if x.is_cuda else "ieee"
+    """Products of the UT inverse: T is stored in the input dtype, so for bf16 (8-bit mantissa) one
+    TF32 pass (10 bits) is below its rounding; fp16 and fp32 inputs keep ~fp32 products (3xTF32)."""
+    if not x.is_cuda:
+        return "ieee"
+    return TUNING["inverse_precision"] if x.dtype == torch.bfloat16 else "tf32x3"
 
 
 # Launch settings, chosen with tools/bench_kernels.py --tunings on an H200: value-block width, warps
 # and pipelining depth of the sequential kernels; warps of the per-chunk backward kernels; the
-# precision of the fp32 products of the UT inverse (3xTF32 keeps ~fp32 accuracy on tensor cores);
+# precision of the products of the UT inverse for bf16 inputs (TF32: 0.6 ms less at 64K than 3xTF32,
+# errors unchanged on an H200, since T is rounded to bf16 after; see _precision); warps of ut_forward;
 # chunks per span of the sequential walk (0: about sqrt(chunks), -1: whole documents; see scan.py).
 # Spans are off by default: at H=16, K=V=128 on an H200 they cost more than they save (the walk is
 # bound by the traffic of each step, which spans triple, not by its depth; docs/kernels.md).
-TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_warps": 4, "inverse_precision": "tf32x3",
-          "span_chunks": -1}
+# save_chunk_states: keep W, the chunk states h and Delta (all in the input dtype, the very values the
+# backward would recompute, so accuracy is the same) from the forward instead of recomputing them:
+# ~17% less time for [T, HV] x (K + K*V/64 + V) more activation memory per layer (with activation
+# checkpointing only the block being recomputed holds them). False trades the time back for memory.
+TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_warps": 4, "inverse_precision": "tf32",
+          "span_chunks": -1, "save_chunk_states": True, "ut_forward_warps": 4}
 
 
 def _sequential_launch():
     return dict(num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"])
 
 
-def _forward_pass(q, k, v, beta, gamma, t_inv, h0, plan: ScanPlan, want_final, compute_t):
-    """W, U, chunk states, Delta (and the final states): shared by forward and the backward's recompute.
-    With compute_t the UT inverse is computed into t_inv, otherwise read from it."""
-    Tp, H, K = q.shape
+def _chunk_factors(k, v, beta, gamma, t_inv, compute_t):
+    """W and U of every chunk: all the work that does not need the incoming state. With compute_t the
+    UT inverse is computed into t_inv, otherwise read from it."""
+    Tp, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    n = Tp // CHUNK
     BK, BV = _blocks(K, V)
-    SBV = min(TUNING["block_v"], BV)
     w = _buffer((Tp, HV, K), k.dtype, k.device)
     u = _buffer(v.shape, v.dtype, v.device)
-    fwd.ut_forward[(n, HV)](k, v, beta, gamma, t_inv, w, u, Tp, H, HV, K, V, CHUNK, BK, BV, 6, _precision(v),
-                            compute_t)
-    h = _buffer((n, HV, K, V), v.dtype, v.device)
-    delta = _buffer(v.shape, v.dtype, v.device)
+    fwd.ut_forward[(Tp // CHUNK, HV)](k, v, beta, gamma, t_inv, w, u, Tp, H, HV, K, V, CHUNK, BK, BV, 6,
+                                      _precision(v), compute_t, num_warps=TUNING["ut_forward_warps"])
+    return w, u
+
+
+def _walk_shape(keys, values):
+    """(Tp, H, K, HV, V, chunks, key block, value block) of a sequential kernel's launch."""
+    Tp, H, K = keys.shape
+    HV, V = values.shape[1], values.shape[2]
+    BK, BV = _blocks(K, V)
+    return Tp, H, K, HV, V, Tp // CHUNK, BK, min(TUNING["block_v"], BV)
+
+
+def _walk(k, w, u, gamma, h0, plan: ScanPlan, want_final):
+    """Chunk states h, Delta and (want_final) the final states, from the initial states h0 (or zero)."""
+    Tp, H, K, HV, V, n, BK, SBV = _walk_shape(k, u)
+    h = _buffer((n, HV, K, V), u.dtype, u.device)
+    delta = _buffer(u.shape, u.dtype, u.device)
     if plan.spans:
-        summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, v.device)
+        summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, u.device)
         fwd.span_summary_forward[(triton.cdiv(K + V, SBV), HV, plan.num_spans)](
             k, w, u, gamma, plan.span_first, plan.span_count, summary, Tp, H, HV, K, V, CHUNK, BK, SBV,
             _INTERPRET, **_sequential_launch())
-        starts, final = fold(summary, plan, h0, V, False, _precision(v), _INTERPRET)
+        starts, final = fold(summary, plan, h0, V, False, _precision(u), _INTERPRET)
         fwd.state_forward[(triton.cdiv(V, SBV), HV, plan.num_spans)](
             k, w, u, gamma, plan.span_first, plan.span_count, starts, h, delta, starts, Tp,
             H, HV, K, V, CHUNK, BK, SBV, True, False, _INTERPRET, **_sequential_launch())
-        return w, u, h, delta, (final if want_final else None)
-    final = _buffer((plan.num_docs, HV, K, V), torch.float32, v.device) if want_final else delta
+        return h, delta, (final if want_final else None)
+    final = _buffer((plan.num_docs, HV, K, V), torch.float32, u.device) if want_final else delta
     fwd.state_forward[(triton.cdiv(V, SBV), HV, plan.num_docs)](
         k, w, u, gamma, plan.doc_first, plan.doc_count, h0 if h0 is not None else delta, h, delta, final, Tp,
         H, HV, K, V, CHUNK, BK, SBV, h0 is not None, want_final, _INTERPRET, **_sequential_launch())
-    return w, u, h, delta, (final if want_final else None)
+    return h, delta, (final if want_final else None)
 
 
 def _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan: ScanPlan, scale, want_dh0):
     """dS' at every chunk's end (dh), the full dDelta (dd) and the initial-state gradients."""
-    Tp, H, K = q.shape
-    HV, V = do.shape[1], do.shape[2]
-    n = Tp // CHUNK
-    BK, BV = _blocks(K, V)
-    SBV = min(TUNING["block_v"], BV)
+    Tp, H, K, HV, V, n, BK, SBV = _walk_shape(q, do)
     dh = _buffer((n, HV, K, V), do.dtype, do.device)
     dd = _buffer(do.shape, do.dtype, do.device)
     if plan.spans:
@@ -145,55 +184,112 @@ def _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan: ScanPlan, scale,
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
-    """Flat chunk-aligned inputs [Tp, heads, D]; q/k may have fewer heads than v (grouped)."""
+    """Flat chunk-aligned inputs [Tp, heads, D]; q/k may have fewer heads than v (grouped).
+
+    With a `relay` (see StateRelay) the first document's initial state arrives from, and its
+    gradient is sent back to, another process, and the last document's final state is sent on and
+    its gradient received: each at the earliest moment the kernels allow."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, plan, output_final_state):
+    def forward(ctx, q, k, v, g, beta, h0, A_log, dt_bias, scale, plan, output_final_state, beta_activation,
+                use_qk_l2norm, relay):
         Tp, H, K = q.shape
         HV, V = v.shape[1], v.shape[2]
         n = Tp // CHUNK
-        # Cumulative log decay inside each chunk, head-major so a chunk's values are contiguous.
-        gamma = g.float().view(n, CHUNK, HV).cumsum(1).view(Tp, HV).t().contiguous()
-        h0c = None if h0 is None else h0.float().contiguous()
+        # Cumulative log decay inside each chunk (head-major), and beta, activated here if asked.
+        decay_params = None if A_log is None else (A_log, dt_bias)
+        g_in, beta_in = g, beta
+        # One launch for the activations (and the q/k L2 norm): nothing else to launch before the kernels.
+        prepared = gate_forward(g, beta, decay_params, beta_activation, (q, k) if use_qk_l2norm else None)
+        gamma, beta = prepared[:2]
+        rstd = None
+        if use_qk_l2norm:
+            q, k, rstd = prepared[2:]
         t_inv = _buffer((Tp, HV, CHUNK), k.dtype, k.device)
-        _, _, h, delta, final = _forward_pass(q, k, v, beta, gamma, t_inv, h0c, plan, output_final_state, True)
+        w, u = _chunk_factors(k, v, beta, gamma, t_inv, True)
+        ctx.h0_dtype = None if h0 is None else h0.dtype
+        h0 = _with_received_state(h0, relay)
+        sends = relay is not None and relay.sends
+        h, delta, final = _walk(k, w, u, gamma, h0, plan, output_final_state or sends)
+        if sends:  # before the outputs: the next process's walk waits for this
+            relay.send_state(final[-1:])
+        del u
         BK, BV = _blocks(K, V)
         o = _buffer(v.shape, v.dtype, v.device)
         fwd.output_forward[(n, HV, triton.cdiv(V, BV))](q, k, h, delta, gamma, o, scale, Tp, H, HV, K, V,
                                                          CHUNK, BK, BV)
-        ctx.save_for_backward(q, k, v, beta, gamma, t_inv, h0c)
-        ctx.plan = plan
-        ctx.scale, ctx.g_dtype, ctx.h0_dtype = scale, g.dtype, None if h0 is None else h0.dtype
-        return o, final
+        kept = (w, h, delta) if TUNING["save_chunk_states"] else ()
+        ctx.save_for_backward(q, k, v, beta, gamma, t_inv, h0, g_in, beta_in, A_log, dt_bias, rstd, *kept)
+        ctx.plan, ctx.relay, ctx.scale, ctx.beta_activation = plan, relay, scale, beta_activation
+        return o, (final if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, beta, gamma, t_inv, h0 = ctx.saved_tensors
+        q, k, v, beta, gamma, t_inv, h0, g_in, beta_in, A_log, dt_bias, rstd, *kept = ctx.saved_tensors
         Tp, H, K = q.shape
         HV, V = v.shape[1], v.shape[2]
         n, G = Tp // CHUNK, HV // H
         BK, BV = _blocks(K, V)
-        scale = ctx.scale
+        scale, relay, plan = ctx.scale, ctx.relay, ctx.plan
         do = do.contiguous()
-        w, _, h, delta, _ = _forward_pass(q, k, v, beta, gamma, t_inv, h0, ctx.plan, False, False)
+        if kept:
+            w, h, delta = kept
+        else:  # recompute W, U, the chunk states and Delta: the same bits the forward had
+            w, u = _chunk_factors(k, v, beta, gamma, t_inv, False)
+            h, delta, _ = _walk(k, w, u, gamma, h0, plan, False)
+            del u
         dd_local = _buffer(v.shape, v.dtype, v.device)
         bwd.delta_grad_local[(n, HV, triton.cdiv(V, BV))](q, k, gamma, do, dd_local, scale, Tp, H, HV, K, V,
                                                            CHUNK, BK, BV)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
-        dh, dd, dh0 = _state_backward(q, k, w, gamma, do, dd_local, dfinal, ctx.plan, scale, h0 is not None)
-        dq = _buffer((Tp, HV, K), torch.float32, v.device)
-        dk = _buffer(dq.shape, dq.dtype, dq.device)
+        if relay is not None and relay.sends:  # everything before this ran while the gradient travelled
+            dfinal = _with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
+        dh, dd, dh0 = _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan, scale, h0 is not None)
+        if relay is not None and relay.receives:  # before the per-chunk gradients: rank r - 1 waits on it
+            relay.send_state_grad(dh0[:1])
+            dh0 = dh0[1:] if dh0.shape[0] > 1 else None
+        del dd_local
+        # Without grouped heads dq and the finished dk are written in the input dtype at once (no cast
+        # pass); grouped value heads sum theirs in fp32 first.
+        dq = _buffer((Tp, HV, K), q.dtype if G == 1 else torch.float32, v.device)
+        dk = _buffer((Tp, HV, K), torch.float32, v.device)
         dw = _buffer((Tp, HV, K), k.dtype, v.device)
         dgamma = _buffer((HV, Tp), torch.float32, v.device)
         bwd.qkw_backward[(n, HV)](q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp,
                                   H, HV, K, V, CHUNK, BK, BV, num_warps=TUNING["parallel_warps"])
+        del h, dh, delta
+        dk_out = _buffer((Tp, HV, K), k.dtype, v.device) if G == 1 else dk
         dv = _buffer(v.shape, v.dtype, v.device)
         dbeta = _buffer((Tp, HV), torch.float32, v.device)
-        bwd.ut_backward[(n, HV)](k, v, beta, gamma, t_inv, dw, dd, dk, dv, dbeta, dgamma, Tp, H, HV, K, V,
-                                 CHUNK, BK, BV, num_warps=TUNING["parallel_warps"])
-        # gamma = cumsum(g) inside each chunk, so dg_j = sum over i >= j of dgamma_i in that chunk.
-        dg = dgamma.view(HV, n, CHUNK).flip(2).cumsum(2).flip(2).view(HV, Tp).t()
+        bwd.ut_backward[(n, HV)](k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K,
+                                 V, CHUNK, BK, BV, num_warps=TUNING["parallel_warps"])
+        dk = dk_out
         if G > 1:  # value heads sharing a q/k head add their gradients
             dq, dk = dq.view(Tp, H, G, K).sum(2), dk.view(Tp, H, G, K).sum(2)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype),
-                None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None)
+        decay_params = None if A_log is None else (A_log, dt_bias)
+        qk_norm = None if rstd is None else (q, k, rstd, dq, dk)
+        dg, dbeta, dA_log, ddt_bias, *dqk = gate_backward(dgamma, dbeta, g_in, beta_in, decay_params,
+                                                          ctx.beta_activation, qk_norm)
+        if dqk:  # through the L2 norm, to the raw q and k
+            dq, dk = dqk
+        dh0_in = None if dh0 is None or ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g_in.dtype), dbeta.to(beta_in.dtype), dh0_in,
+                None if A_log is None else dA_log.to(A_log.dtype),
+                None if dt_bias is None else ddt_bias.to(dt_bias.dtype), None, None, None, None, None, None)
+
+
+def _with_received_state(h0, relay):
+    """fp32 initial states, the relay's received one (if any) in front of the given ones."""
+    h0 = None if h0 is None else h0.float().contiguous()
+    if relay is None or not relay.receives:
+        return h0
+    incoming = relay.receive_state().float()
+    return incoming.contiguous() if h0 is None else torch.cat([incoming, h0]).contiguous()
+
+
+def _with_received_grad(dfinal, received, num_docs):
+    """Add the gradient of the last document's final state, received from the next process."""
+    received = received.float()
+    if dfinal is None:
+        dfinal = received.new_zeros(num_docs, *received.shape[1:])
+    return torch.cat([dfinal[:-1], dfinal[-1:] + received]).contiguous()

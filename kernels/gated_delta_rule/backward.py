@@ -130,10 +130,11 @@ def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, T
 
 
 @triton.jit
-def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dv, dbeta, dgamma, Tp, H: tl.constexpr,
+def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H: tl.constexpr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr):
-    """Adds the gradients through W = T diag(beta e^gamma) K and U = T diag(beta) V into dk, dgamma."""
+    """Adds the gradients through W = T diag(beta e^gamma) K and U = T diag(beta) V into dgamma, and
+    to dk (fp32, from qkw_backward), writing the sum to dk_out (dk itself, or the input dtype at once)."""
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
     kk, b, gam, gram, a = chunk_gram(k, beta, gamma, chunk, hv, Tp, H, HV, K, C, BK)
@@ -166,7 +167,7 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dv, dbeta, dgamma, Tp, H: 
     dkk += d_key_scaled * (b * e_gam)[:, None]
     db += e_gam * through_scale
     dgam += b * e_gam * through_scale
-    store_rows(dk, load_rows(dk, row0, hv, HV, K, C, BK) + dkk, row0, hv, HV, K, C, BK)
+    store_rows(dk_out, load_rows(dk, row0, hv, HV, K, C, BK) + dkk, row0, hv, HV, K, C, BK)
     tl.store(dbeta + (row0 + tl.arange(0, C)) * HV + hv, db)
     gptr = dgamma + hv * Tp + row0 + tl.arange(0, C)
     tl.store(gptr, tl.load(gptr) + dgam)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
-from tests.kernels.helpers import device, gpu_only, rel_err
+from tests.kernels.helpers import FP32_DOT_TOL, device, gpu_only, rel_err
 from tests.ops.gdn_inputs import gdn_inputs
 
 import gdn_kernels.gated_delta_rule as gdn_triton  # noqa: E402  (after helpers: needs triton)
@@ -51,7 +51,7 @@ def test_matches_chunk_oracle_fp32(case):
                         dtype=torch.float32, seed=seed, num_states=n_states, requires_grad=False)
     expected = run(inputs, "chunk", torch.float64, cu)
     actual = run(inputs, "triton", torch.float32, cu)
-    assert_close(actual, expected, 1e-5)
+    assert_close(actual, expected, FP32_DOT_TOL)
 
 
 def test_span_parallel_walk_matches(monkeypatch):
@@ -61,7 +61,15 @@ def test_span_parallel_walk_matches(monkeypatch):
     inputs = gdn_inputs(1, 700, 1, 2, 16, 32, dtype=torch.float32, seed=7, num_states=3, requires_grad=False)
     expected = run(inputs, "chunk", torch.float64, cu)
     actual = run(inputs, "triton", torch.float32, cu)
-    assert_close(actual, expected, 1e-5)
+    assert_close(actual, expected, FP32_DOT_TOL)
+
+
+def test_backward_recomputing_chunk_states_matches(monkeypatch):
+    """save_chunk_states=False: the backward recomputes W, the chunk states and Delta."""
+    monkeypatch.setitem(gdn_triton.TUNING, "save_chunk_states", False)
+    cu = torch.tensor([0, 37, 100])
+    inputs = gdn_inputs(1, 100, 2, 4, 16, 32, dtype=torch.float32, seed=9, num_states=2, requires_grad=False)
+    assert_close(run(inputs, "triton", torch.float32, cu), run(inputs, "chunk", torch.float64, cu), FP32_DOT_TOL)
 
 
 def test_without_initial_state_fp16():
@@ -79,7 +87,7 @@ def test_every_output_element_is_written(monkeypatch):
     inputs = gdn_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, seed=4, num_states=2, requires_grad=False)
     actual = run(inputs, "triton", torch.float32, torch.tensor([0, 5, 70]))
     expected = run(inputs, "chunk", torch.float64, torch.tensor([0, 5, 70]))
-    assert_close(actual, expected, 1e-5)
+    assert_close(actual, expected, FP32_DOT_TOL)
 
 
 @gpu_only
@@ -94,3 +102,32 @@ def test_bf16_against_fp32_reference_on_gpu(T):
     again = run(inputs, "triton", torch.bfloat16, cu)
     for name, a, b in zip(NAMES, actual, again):
         assert torch.equal(a, b), f"{name} differs between two identical runs: a race?"
+
+
+@pytest.mark.parametrize("beta_activation, use_qk_l2norm", [("sigmoid", True), ("2sigmoid", False)])
+def test_fused_gate_activations_match_oracle(beta_activation, use_qk_l2norm):
+    """g and beta given as logits with (A_log, dt_bias), q and k raw: the kernels' first launch
+    activates and normalises them. Documents end mid-chunk, so the padding (logits -inf, zero q/k)
+    must leave the final states alone."""
+    cu = torch.tensor([0, 37, 100])
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, _, _, h0 = gdn_inputs(1, 100, 2, 4, 16, 32, dtype=torch.float32, seed=11, num_states=2,
+                                   requires_grad=False)
+    a, b = torch.randn(1, 100, 4, generator=gen), torch.randn(1, 100, 4, generator=gen)
+    if use_qk_l2norm:  # raw rows of varied norms
+        q, k = q * 3.0, k * torch.rand(1, 100, 2, 1, generator=gen).add(0.5)
+    A_log, dt_bias = torch.rand(4, generator=gen) * 2.0, torch.randn(4, generator=gen) - 3.0
+
+    def results(impl, dtype):
+        leaves = [x.detach().to(device, dtype).requires_grad_() for x in (q, k, v, a, b, h0, A_log, dt_bias)]
+        o, final = gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                    cu_seqlens=cu, impl=impl, decay_params=tuple(leaves[6:]),
+                                    beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2)).to(o)
+        return [o, final, *torch.autograd.grad((o * do).sum() + final.square().sum(), leaves)]
+
+    expected, actual = results("chunk", torch.float64), results("triton", torch.float32)
+    names = ["o", "final", "dq", "dk", "dv", "da", "db", "dh0", "dA_log", "ddt_bias"]
+    for name, x, e in zip(names, actual, expected):
+        err = rel_err(x.cpu(), e.cpu())
+        assert torch.isfinite(x).all() and err < FP32_DOT_TOL, f"{name}: relative error {err:.2e}"

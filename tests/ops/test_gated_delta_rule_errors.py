@@ -105,3 +105,29 @@ def test_triton_rejects_float64():
     q, k, v, g, beta, _ = gdn_inputs(1, 8, 2, 2, 4, 4, dtype=torch.float64, requires_grad=False)
     with pytest.raises(ValueError, match="impl='triton' takes float32"):
         call(q, k, v, g, beta, impl="triton")
+
+
+def test_gate_activation_arguments_are_checked():
+    q, k, v, g, beta, _ = base()
+    with pytest.raises(ValueError, match="beta_activation='softmax'"):
+        call(q, k, v, g, beta, beta_activation="softmax")
+    with pytest.raises(ValueError, match="A_log must be a float tensor of shape \\[HV\\]"):
+        call(q, k, v, g, beta, decay_params=(torch.zeros(3), torch.zeros(2)))
+    with pytest.raises(ValueError, match="pair"):
+        call(q, k, v, g, beta, decay_params=torch.zeros(2))
+
+
+def test_logits_with_activations_equal_activated_inputs():
+    """decay_params / beta_activation / use_qk_l2norm applied by the op = applied by hand (chunk path);
+    with decay_params, g holds logits and may be positive."""
+    import torch.nn.functional as F
+    q, k, v, _, _, h0 = base(T=20)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(1, 20, 2, generator=gen) + 1.0, torch.randn(1, 20, 2, generator=gen)
+    A_log, dt_bias = torch.rand(2, generator=gen), torch.randn(2, generator=gen)
+    got, _ = call(q * 3, k * 2, v, a, b, decay_params=(A_log, dt_bias), beta_activation="2sigmoid",
+                  use_qk_l2norm=True, impl="chunk", chunk_size=8)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    want, _ = call(F.normalize(q, dim=-1, eps=0), F.normalize(k, dim=-1, eps=0), v, g, 2 * b.sigmoid(),
+                   impl="chunk", chunk_size=8)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

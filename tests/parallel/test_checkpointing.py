@@ -41,3 +41,42 @@ def test_no_recompute_without_grad_and_bad_mode_is_named():
         apply_activation_checkpointing(model, "some")
     with pytest.raises(ConfigError, match="train.activation_checkpointing"):
         TrainConfig(activation_checkpointing="blocks").validate()
+
+
+def count_messages(rank, world, algorithm):
+    """One CP training step with and without checkpointing: the recomputation replays what the first
+    forward received, so the messages sent (and all-gathers run) are the same in number."""
+    import torch.distributed as dist
+
+    from gdn_parallel.config import ParallelConfig
+    from gdn_parallel.parallel.mesh import build_mesh
+    from gdn_parallel.parallel.parallelize import parallelize
+
+    counts = {}
+    for name in ("isend", "irecv", "recv", "all_gather"):
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+        setattr(dist, name, counted)
+    config = ParallelConfig(cp=2, cp_algorithm=algorithm)
+    dims = build_mesh(config, "cpu")
+    seen, grads = [], []
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = parallelize(HybridLM(model_config()).double(), dims, config, activation_checkpointing=mode)
+        counts.clear()
+        model.train_step([make_batch([0, 5, 30, 48], seed=7)])
+        seen.append(dict(counts))
+        grads.append([p.grad.clone() for _, p in model.named_parameters()])
+    assert seen[0] == seen[1] and seen[0], f"rank {rank} {algorithm}: messages {seen}"
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("algorithm", ["relay", "allgather"])
+def test_recomputed_blocks_do_not_communicate_again(algorithm):
+    from tests.parallel.launcher import run_workers
+    assert all(run_workers(count_messages, 2, algorithm))

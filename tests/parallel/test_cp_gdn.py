@@ -87,7 +87,43 @@ def triton_cases(rank, world, algorithm):
     # Shards of several chunks: the allgather summary runs several spans and folds them.
     check_case(rank, world, [0, 50, 130 * world], algorithm, torch.float32, 1, 1, 2e-5, seed=60,
                chunk_size=64, impl="triton")
+    check_gate_activation_case(rank, world, [0, 5, 70, 96], algorithm)
     return True
+
+
+def check_gate_activation_case(rank, world, cu, algorithm):
+    """Logits and raw q, k in, activated and normalised inside the kernels: the gradients of A_log and dt_bias are each rank's
+    share, summed over the ranks here (as the CP gradient reduction does in training)."""
+    total = cu[-1]
+    q, k, v, _, _, _ = gdn_inputs(1, total, 1, 2, 8, 6, dtype=torch.float32, seed=70, requires_grad=False)
+    q, k = q * 2.0, k * 3.0
+    gen = torch.Generator().manual_seed(71)
+    a, b = torch.randn(1, total, 2, generator=gen), torch.randn(1, total, 2, generator=gen)
+    A_log, dt_bias = torch.rand(2, generator=gen), torch.randn(2, generator=gen) - 3.0
+    do = torch.randn(1, total, 2, 6, generator=gen)
+    cp = CPContext.build(dist.group.WORLD, torch.tensor(cu), total // world, algorithm)
+    s, e = cp.start, cp.end
+
+    def grads(impl, shard, **cp_args):
+        leaves = [x.detach()[:, s:e] if shard else x.detach() for x in (q, k, v, a, b)]
+        leaves = [x.clone().requires_grad_() for x in leaves + [A_log, dt_bias]]
+        o, _ = gated_delta_rule(*leaves[:5], cu_seqlens=torch.tensor(cu), impl=impl, chunk_size=64,
+                                decay_params=tuple(leaves[5:]), beta_activation="2sigmoid", use_qk_l2norm=True,
+                                **cp_args)
+        (o * (do[:, s:e] if shard else do)).sum().backward()
+        return [o.detach()] + [x.grad for x in leaves]
+
+    expected = grads("chunk", False)
+    actual = grads("triton", True, cp_group=dist.group.WORLD, cp_algorithm=algorithm)
+    cp.wait_pending()
+    for p in actual[6:]:
+        dist.all_reduce(p)
+    for name, x, ref in zip(["o", "dq", "dk", "dv", "da", "db"], actual, expected):
+        err = ((x - ref[:, s:e]).abs().max() / ref.abs().max()).item()
+        assert err < 2e-5, f"{name}: relative error {err:.3g} ({algorithm}, rank {rank})"
+    for name, x, ref in zip(["dA_log", "ddt_bias"], actual[6:], expected[6:]):
+        err = ((x - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-5, f"{name}: relative error {err:.3g} ({algorithm}, rank {rank})"
 
 
 @pytest.mark.parametrize("world", [2, 4])

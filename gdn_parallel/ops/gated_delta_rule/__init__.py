@@ -9,6 +9,7 @@ import torch
 from ..triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
 from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_factors, chunk_gated_delta_rule
+from .gates import activate_gates, check_gate_args
 from .layout import build_layout
 from .naive import naive_recurrence
 from .summary import fold_chunk_transitions
@@ -33,7 +34,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
                      initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                      cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm: bool = False,
                      impl: str = "auto", chunk_size: int = 64, cp_group=None,
-                     cp_algorithm: Optional[str] = None):
+                     cp_algorithm: Optional[str] = None, decay_params=None,
+                     beta_activation: Optional[str] = None):
     """Run the gated delta rule over [B, T] tokens (or one packed row of documents).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head j reads q/k head
@@ -46,8 +48,14 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     one packed row, `cu_seqlens` are the *global* boundaries, `cp_algorithm` is "relay" (default) or
     "allgather"; `initial_state` holds the documents that start on this rank and the final states
     returned are those of the documents that end on it (DESIGN §2).
+
+    Activations (the Triton kernels fuse them into their first launch): with `decay_params` =
+    (A_log, dt_bias), [HV] each, g holds the logits a of g = -exp(A_log) * softplus(a + dt_bias);
+    with `beta_activation` "sigmoid" or "2sigmoid" (allowing negative eigenvalues), beta holds logits.
     """
-    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size)
+    check_gate_args(decay_params, beta_activation, v.shape[2] if v.dim() == 4 else 0)
+    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size,
+                                      g_is_decay=decay_params is None)
     if cp_group is None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
         num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -58,16 +66,22 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
         raise ValueError(f"context parallelism takes one packed row: q has batch {B}; flatten the "
                          f"batch into [1, total] and describe it with the global cu_seqlens")
     scale = K ** -0.5 if scale is None else scale
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
     impl = _resolve_impl(impl, q)
+    # The kernels apply the activations and the q/k L2 norm in their first launch; else PyTorch does.
+    gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
+    if use_qk_l2norm and impl != "triton":
+        q, k = l2_normalize(q), l2_normalize(k)
     if impl == "triton" and cp_group is None:  # the kernels read grouped q/k heads in place
-        return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                       gates)
+    if impl != "triton":
+        g, beta = activate_gates(g, beta, decay_params, beta_activation)
+        gates = {}
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     if cp_group is not None:
         return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 impl, chunk_size, cp_group, cp_algorithm)
+                                 impl, chunk_size, cp_group, cp_algorithm, gates)
 
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     if impl == "naive":
@@ -81,8 +95,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
 
 
 def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                      impl, chunk_size, cp_group, cp_algorithm):
-    """q, k already normalised and expanded to the value heads (see gated_delta_rule)."""
+                      impl, chunk_size, cp_group, cp_algorithm, gates):
+    """q, k already normalised and expanded to the value heads (see gated_delta_rule); `gates` the
+    activations left to the kernels (empty when already applied)."""
     from ...parallel.context import as_cp_context
     from ...parallel.cp.gdn import cp_gated_delta_rule
 
@@ -93,7 +108,8 @@ def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state
     if impl == "triton":
         _check_triton(q, chunk_size)
     return cp_gated_delta_rule(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
-                               initial_state=initial_state, output_final_state=output_final_state, impl=impl)
+                               initial_state=initial_state, output_final_state=output_final_state, impl=impl,
+                               **gates)
 
 
 def summarize_segment(k, v, g, beta, *, cu_seqlens: Optional[torch.Tensor] = None,
@@ -143,10 +159,11 @@ def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     return "triton" if auto_uses_triton(x, "gated_delta_rule") else "chunk"
 
 
-def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gates):
     kernels = _check_triton(q, chunk_size)
     return kernels.triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                           **gates)
 
 
 def _check_triton(q, chunk_size):
@@ -157,7 +174,7 @@ def _check_triton(q, chunk_size):
     return kernels
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
+def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size, g_is_decay=True):
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor) or x.dim() != rank:
             raise ValueError(f"{name} must be a {rank}-D tensor, got shape {tuple(getattr(x, 'shape', ()))}")
@@ -179,7 +196,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (B, T, HV):
             raise ValueError(f"{name} must have shape [B, T, HV] = {[B, T, HV]}, got {list(x.shape)}")
-    if values_checked(g) and g.numel() and bool((g > 0).any()):
+    if g_is_decay and values_checked(g) and g.numel() and bool((g > 0).any()):
         raise ValueError("g is the log decay and must be <= 0 everywhere (g = -exp(A_log) * softplus(.)); "
                          f"got max {g.max().item():.4g}")
     if initial_state is not None:

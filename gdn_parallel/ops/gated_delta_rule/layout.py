@@ -29,12 +29,12 @@ class ChunkLayout:
     def max_chunks(self) -> int:
         return max(self.doc_num_chunks) if self.doc_num_chunks else 0
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[total, ...] -> [num_chunks, chunk, ...] with zeros in the padding."""
+    def pad(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[total, ...] -> [num_chunks, chunk, ...] with `fill` (zeros) in the padding."""
         if self.padded_len == x.shape[0]:
             padded = x
         else:
-            padded = x.new_zeros(self.padded_len, *x.shape[1:]).index_copy(0, self.token_dest, x)
+            padded = x.new_full((self.padded_len, *x.shape[1:]), fill).index_copy(0, self.token_dest, x)
         return padded.reshape(self.num_chunks, self.chunk_size, *x.shape[1:])
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:

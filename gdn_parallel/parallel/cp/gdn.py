@@ -8,10 +8,12 @@ allgather: summarise the shard's last document piece as (M, S_loc), all-gather t
 the prefix into the incoming state, then run the local recurrence from it. Autograd through the
 all-gather and the fold gives the mirrored backward (M^T chain).
 
-impl="triton" runs the local work with the fused kernels (gdn_kernels.gated_delta_rule): the relay
-hands the incoming state to the kernels as an initial state and sends their final state on; the
-allgather summary is one kernel run over spans of the piece, each span started from [I | 0] with
-values [0 | V], whose final states are the span pairs (M, S_loc), folded in a short loop.
+impl="triton" runs the local work with the fused kernels (gdn_kernels.gated_delta_rule). The relay
+gives them a StateRelay: they receive the state after their chunk factors, send the final state
+after the walk and before the outputs, and in the backward send the state gradient right after the
+backward walk. The allgather runs the kernels once, on values widened by K zero columns, so that
+the same run yields the summary and the outputs up to a correction linear in the incoming state
+(_triton_allgather_continuing): no second pass after the all-gather.
 """
 from __future__ import annotations
 
@@ -23,16 +25,22 @@ from ...ops.gated_delta_rule.chunk import chunk_factors, chunk_outputs, chunk_re
 from ...ops.gated_delta_rule.layout import build_layout
 from ...ops.gated_delta_rule.summary import fold_chunk_transitions
 from ..context import CPContext, sequence_lengths
-from .p2p import all_gather, post_recv_from_prev, send_to_next, tie
+from .p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
 
 
 def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
-                        initial_state: Optional[torch.Tensor], output_final_state: bool, impl: str = "chunk"):
+                        initial_state: Optional[torch.Tensor], output_final_state: bool, impl: str = "chunk",
+                        decay_params=None, beta_activation=None, use_qk_l2norm=False):
     """q, k expanded to HV heads: [1, L, HV, K]; v [1, L, HV, V]; g, beta [1, L, HV] (this rank's shard).
 
     initial_state: [docs starting on this rank, HV, K, V] or None. Returns (o [1, L, HV, V],
-    final states of the documents that end on this rank or None).
+    final states of the documents that end on this rank or None). decay_params, beta_activation and
+    use_qk_l2norm (see gated_delta_rule) only with impl="triton", whose kernels apply them.
     """
+    if impl != "triton" and (decay_params is not None or beta_activation is not None or use_qk_l2norm):
+        raise ValueError("cp_gated_delta_rule applies decay_params/beta_activation/use_qk_l2norm only with "
+                         "impl='triton'; apply them first (ops.gated_delta_rule.gates.activate_gates, "
+                         "l2_normalize)")
     if q.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
     if initial_state is not None and initial_state.shape[0] != cp.docs_starting_here:
@@ -46,7 +54,8 @@ def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_
                 if cp.continues_from_prev and cp.algorithm == "relay" else None)
 
     if impl == "triton":
-        return _triton(q, k, v, g, beta, scale, cp, initial_state, output_final_state, incoming, anchors)
+        gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
+        return _triton(q, k, v, g, beta, scale, cp, initial_state, output_final_state, incoming, gates)
     layout = build_layout(sequence_lengths(cp.local_cu_list), chunk_size, v.device)
     chunked = [layout.pad(x[0].to(dtype)) for x in (q, k, v, g, beta)]
     factors = chunk_factors(*chunked, scale=scale)
@@ -77,16 +86,16 @@ def _allgather_incoming_state(factors, layout, cp: CPContext, starting):
     piece_layout = type(layout)(layout.chunk_size, 1, n_chunks * layout.chunk_size, layout.token_dest,
                                 [0], [n_chunks], [layout.doc_lengths[last]])
     m_last, s_last = fold_chunk_transitions(m, s, piece_layout)
-    return _gather_and_fold(m_last, s_last, cp, starting)
-
-
-def _gather_and_fold(m_last, s_last, cp: CPContext, starting):
-    """All-gather every rank's (M, S_loc) of its last piece; fold the earlier ranks' into this rank's
-    incoming state. Returns (state or None, a zero token tying the all-gather into autograd)."""
     if not (cp.continues_from_prev and cp.num_local_docs == 1):
         # The last piece starts on this rank: its outgoing state does not depend on earlier ranks.
         s_last = m_last @ starting[-1:] + s_last
         m_last = torch.zeros_like(m_last)
+    return _gather_and_fold(m_last, s_last, cp)
+
+
+def _gather_and_fold(m_last, s_last, cp: CPContext):
+    """All-gather every rank's (M, S_loc) of its last piece; fold the earlier ranks' into this rank's
+    incoming state. Returns (state or None, a zero token tying the all-gather into autograd)."""
     summaries = all_gather(cp, torch.cat([m_last, s_last], dim=-1)[0])       # [P, HV, K, K + V]
     # Every rank must run the all-gather's backward (a collective), used or not: tie it in.
     token = summaries.reshape(-1)[:1].sum() * 0
@@ -99,48 +108,45 @@ def _gather_and_fold(m_last, s_last, cp: CPContext, starting):
     return state.unsqueeze(0), token
 
 
-def _triton(q, k, v, g, beta, scale, cp: CPContext, initial_state, output_final_state, incoming, anchors):
+def _triton(q, k, v, g, beta, scale, cp: CPContext, initial_state, output_final_state, incoming, gates):
     from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
 
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     starting = (torch.zeros(cp.docs_starting_here, HV, K, V, dtype=torch.float32, device=v.device)
                 if initial_state is None else initial_state.float())
-    token = None
-    if cp.algorithm == "allgather":
-        state_in, token = _allgather_incoming_state_triton(k, v, g, beta, cp, starting)
-    else:
-        state_in = incoming.wait(*anchors) if incoming is not None else None
-    states = starting if state_in is None else torch.cat([state_in.float(), starting])
-    o, final = triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=states,
-                                       output_final_state=True, cu_seqlens=cp.local_cu_list)
-    if cp.continues_to_next and cp.algorithm == "relay":
-        token = send_to_next(cp, final[-1:])
-    o = tie(o, token)
+    if cp.algorithm == "allgather" and cp.continues_from_prev:
+        return _triton_allgather_continuing(q, k, v, g, beta, scale, cp, starting, output_final_state, gates)
+    relay = StateRelay(cp, incoming) if cp.algorithm == "relay" else None
+    o, final = triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=starting,
+                                       output_final_state=True, cu_seqlens=cp.local_cu_list, relay=relay,
+                                       **gates)
+    if cp.algorithm == "allgather":  # every document starts here: the last one's summary is its final state
+        _, token = _gather_and_fold(final.new_zeros(1, HV, K, K), final[-1:], cp)
+        o = tie(o, token)
     return o, (final[:cp.docs_ending_here] if output_final_state else None)
 
 
-SUMMARY_SPANS = 16  # spans of the allgather summary run side by side; their pairs fold in a loop
-
-
-def _allgather_incoming_state_triton(k, v, g, beta, cp: CPContext, starting):
-    from gdn_kernels.gated_delta_rule import CHUNK, triton_gated_delta_rule
+def _triton_allgather_continuing(q, k, v, g, beta, scale, cp: CPContext, starting, output_final_state, gates):
+    """One kernel run gives both this rank's summary and its outputs before the incoming state is
+    known, by linearity in that state: the first document starts from [0 | I] with values [V | 0],
+    so its outputs come out as [o from a zero state | Q~] and its final state as [S_loc | M]; with
+    the incoming state S_in, o = o_zero + Q~ S_in and the final state is S_loc + M S_in."""
+    from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
 
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
-    piece_start = cp.local_cu_list[-2]
-    piece = [x[:, piece_start:] for x in (k, v, g, beta)]
-    length = piece[0].shape[1]
-    span = -(-max(1, -(-length // SUMMARY_SPANS)) // CHUNK) * CHUNK      # chunk-aligned span length
-    bounds = list(range(0, length, span)) + [length]      # host list: no device sync
-    n_spans = len(bounds) - 1
-    # Affine in the state: starting from [I | 0] with values [0 | V], a span ends in [M | S_loc].
-    values = torch.cat([piece[1].new_zeros(*piece[1].shape[:3], K), piece[1]], dim=-1)
-    eye = torch.eye(K, device=v.device).expand(n_spans, HV, K, K)
-    start = torch.cat([eye, eye.new_zeros(n_spans, HV, K, V)], dim=-1)
-    _, ends = triton_gated_delta_rule(torch.zeros_like(piece[0]), piece[0], values, piece[2], piece[3],
-                                      scale=1.0, initial_state=start, output_final_state=True,
-                                      cu_seqlens=bounds)
-    m_last, s_last = ends[0, ..., :K], ends[0, ..., K:]
-    for i in range(1, n_spans):
-        m_last, s_last = ends[i, ..., :K] @ m_last, ends[i, ..., :K] @ s_last + ends[i, ..., K:]
-    m_last, s_last = m_last.unsqueeze(0), s_last.unsqueeze(0)
-    return _gather_and_fold(m_last, s_last, cp, starting)
+    values = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)
+    eye = torch.eye(K, device=v.device).expand(1, HV, K, K)
+    first_start = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1)
+    starts = torch.cat([first_start, torch.cat([starting, starting.new_zeros(*starting.shape[:3], K)], -1)])
+    o_ext, final_ext = triton_gated_delta_rule(q, k, values, g, beta, scale=scale, initial_state=starts,
+                                               output_final_state=True, cu_seqlens=cp.local_cu_list, **gates)
+    s_last = final_ext[-1:, ..., :V]
+    m_last = final_ext[-1:, ..., V:] if cp.num_local_docs == 1 else torch.zeros_like(final_ext[-1:, ..., V:])
+    state_in, token = _gather_and_fold(m_last, s_last, cp)
+    # Q~ is zero past the first document (the later ones start from [S0 | 0]), so one batched product
+    # over all rows is exact; in the kernels' dtype, as their chunk states are.
+    q_tilde = o_ext[0, :, :, V:].transpose(0, 1)                              # [HV, L, K], a view
+    correction = torch.bmm(q_tilde, state_in[0].to(q_tilde.dtype)).transpose(0, 1).unsqueeze(0)
+    o = o_ext[..., :V] + correction
+    final = torch.cat([final_ext[:1, ..., :V] + final_ext[:1, ..., V:] @ state_in, final_ext[1:, ..., :V]])
+    return tie(o, token), (final[:cp.docs_ending_here] if output_final_state else None)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..context import CPContext
+from . import replay
 
 
 class PendingRecv:
@@ -24,8 +25,16 @@ class PendingRecv:
 
     def __init__(self, cp: CPContext, shape, dtype, device):
         self.cp = cp
+        if replay.replaying():  # a recomputed block: what the first forward received
+            self.buffer, self.work = replay.replay(), None
+            return
         self.buffer = torch.empty(shape, dtype=dtype, device=device)
         self.work = dist.irecv(self.buffer, src=cp.global_rank(cp.rank - 1), group=cp.group)
+        replay.record(self.buffer)
+
+    def _wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
 
     def wait(self, *anchors: torch.Tensor) -> torch.Tensor:
         """The received tensor, differentiable: its gradient is sent back to rank r - 1.
@@ -33,7 +42,7 @@ class PendingRecv:
         `anchors` are inputs of the op that may require grad; they only connect the receive to the
         autograd graph (their gradient from here is zero).
         """
-        self.work.wait()
+        self._wait()
         grads_wanted = torch.is_grad_enabled() and any(a.requires_grad for a in anchors)
         if not grads_wanted:
             return self.buffer
@@ -53,12 +62,56 @@ def send_to_next(cp: CPContext, tensor: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
+class StateRelay:
+    """The relay's four hand-overs, for kernels that call them from inside their own forward and
+    backward (gdn_kernels' triton_gated_delta_rule): the incoming state (its receive posted early),
+    the outgoing final state, and in the backward their gradients."""
+
+    def __init__(self, cp: CPContext, incoming: Optional[PendingRecv]):
+        self.cp, self.incoming = cp, incoming
+        self.receives, self.sends = incoming is not None, cp.continues_to_next
+
+    def receive_state(self) -> torch.Tensor:
+        self.incoming._wait()
+        return self.incoming.buffer
+
+    def send_state(self, state: torch.Tensor) -> None:
+        _isend(self.cp, state.detach().contiguous(), self.cp.rank + 1)
+        self.meta = (state.shape, state.dtype, state.device)
+
+    def receive_state_grad(self) -> torch.Tensor:
+        shape, dtype, device = self.meta
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(grad, src=self.cp.global_rank(self.cp.rank + 1), group=self.cp.group)
+        return grad
+
+    def send_state_grad(self, grad: torch.Tensor) -> None:
+        _isend(self.cp, grad.detach().to(self.incoming.buffer.dtype).contiguous(), self.cp.rank - 1)
+
+
 def tie(output: torch.Tensor, token: Optional[torch.Tensor]) -> torch.Tensor:
-    """Make the backward of `output` pass through a send's gradient receive."""
-    return output if token is None else output + token.to(output.dtype)
+    """Make the backward of `output` pass through a send's gradient receive (no copy of `output`)."""
+    return output if token is None else _Tie.apply(output, token)
+
+
+class _Tie(torch.autograd.Function):
+    """Identity on `output` that also makes autograd visit `token`'s node (adding a zero token would
+    cost a pass over the whole output, forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, output, token):
+        ctx.token_meta = (token.dtype, token.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.token_meta
+        return grad, torch.zeros((), dtype=dtype, device=device)
 
 
 def _isend(cp: CPContext, tensor: torch.Tensor, dst: int) -> None:
+    if replay.replaying():  # the receiver replays what it got in the first forward
+        return
     cp.pending[:] = [w for w in cp.pending if not w.is_completed()]
     cp.pending.append(dist.isend(tensor, dst=cp.global_rank(dst), group=cp.group))
 
@@ -99,9 +152,13 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, cp):
         ctx.cp = cp
+        if replay.replaying():
+            return replay.replay()
         out = [torch.empty_like(tensor) for _ in range(cp.size)]
         dist.all_gather(out, tensor.contiguous(), group=cp.group)
-        return torch.stack(out)
+        gathered = torch.stack(out)
+        replay.record(gathered)
+        return gathered
 
     @staticmethod
     def backward(ctx, grad):
