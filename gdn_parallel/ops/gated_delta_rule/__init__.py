@@ -77,7 +77,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     if impl != "triton":
         g, beta = activate_gates(g, beta, decay_params, beta_activation)
         gates = {}
-    if HV != H:
+    if HV != H and impl != "triton":  # the kernels read grouped q/k heads in place (under CP too)
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     if cp_group is not None:
         return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -96,8 +96,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
 
 def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                       impl, chunk_size, cp_group, cp_algorithm, gates):
-    """q, k already normalised and expanded to the value heads (see gated_delta_rule); `gates` the
-    activations left to the kernels (empty when already applied)."""
+    """q, k normalised and expanded to the value heads by the caller, except with impl "triton" (the
+    kernels do both); `gates` the activations left to the kernels (empty when already applied)."""
     from ...parallel.context import as_cp_context
     from ...parallel.cp.gdn import cp_gated_delta_rule
 

@@ -31,7 +31,8 @@ from .p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
 def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
                         initial_state: Optional[torch.Tensor], output_final_state: bool, impl: str = "chunk",
                         decay_params=None, beta_activation=None, use_qk_l2norm=False):
-    """q, k expanded to HV heads: [1, L, HV, K]; v [1, L, HV, V]; g, beta [1, L, HV] (this rank's shard).
+    """q, k: [1, L, HV, K] expanded to the value heads (impl "triton": [1, L, H, K], grouped heads are read
+    in place); v [1, L, HV, V]; g, beta [1, L, HV] (this rank's shard).
 
     initial_state: [docs starting on this rank, HV, K, V] or None. Returns (o [1, L, HV, V],
     final states of the documents that end on this rank or None). decay_params, beta_activation and
