@@ -42,6 +42,7 @@ def assert_close(actual, expected, tol):
     dict(B=1, T=100, H=2, HV=2, K=32, V=32, cu=[0, 37, 100]),       # documents, padded chunks
     dict(B=2, T=64, H=1, HV=2, K=16, V=48, cu=None),                 # plain batch, grouped value heads
     dict(B=1, T=130, H=1, HV=1, K=48, V=80, cu=[0, 1, 66, 130]),    # 1-token doc, K/V not powers of 2
+    dict(B=1, T=80, H=1, HV=1, K=256, V=256, cu=[0, 30, 80]),        # the largest head dims allowed
 ])
 def test_matches_chunk_oracle_fp32(case):
     seed = zlib.crc32(repr(case).encode()) % 1000
