@@ -1,8 +1,15 @@
 """Without a GPU, Triton kernels run in Triton's interpreter. The variable is read when a kernel is
-decorated, so it is set here, before any test module imports gdn_kernels."""
+decorated, so it is set here, before any test module imports gdn_kernels.
+
+On a GPU, fp32 operands of tl.dot default to TF32 (10-bit mantissa); the fp32 kernel tests check
+the algorithm against fp32 oracles at 1e-5, so they ask for IEEE fp32 products there too, as the
+interpreter computes them. The precision the kernels run at in training is measured in bf16 by
+tools/check_kernels_gpu.py (its own process, Triton's defaults)."""
 import os
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")

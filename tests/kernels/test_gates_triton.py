@@ -146,6 +146,10 @@ def test_padded_rows(poisoned, act):
     torch.testing.assert_close(gamma[:, 50:64], gamma[:, 49:50].expand(-1, 14), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gamma[:, 100:128], gamma[:, 99:100].expand(-1, 28), rtol=1e-6, atol=1e-6)
     assert (beta_out[pad] == 0).all()
+    # Exactly zero decay in padding, whatever the scan's order: all-padding rows give gamma 0.
+    all_pad = torch.full_like(g, -math.inf)
+    gamma_pad, beta_pad = gates.gate_forward(all_pad, all_pad, params, act)
+    assert (gamma_pad == 0).all() and (beta_pad == 0).all()
     gamma_ref, beta_ref, (dg_ref, db_ref, dA_ref, ddt_ref) = _reference_grads(g, beta, params, act, dgamma,
                                                                               dbeta)
     assert rel_err(gamma, gamma_ref) < 1e-5
