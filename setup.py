@@ -3,7 +3,12 @@
 torch is pinned to a range, not a build: on CPU machines install `torch==2.13.0` in the same pip
 call (see README) so pip does not fetch a multi-GB CUDA wheel; GPU images bring their own torch.
 """
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
+
+# Bounded to what is run: torch 2.11 + Triton 3.6 (GPU image), torch 2.13 + Triton 3.9 (CPU tests).
+TORCH = "torch>=2.11,<2.15"
+TRITON = "triton>=3.6,<3.10"
+NOT_PACKAGES = ["__pycache__", "*.__pycache__"]
 
 setup(
     name="gdn-parallel",
@@ -13,17 +18,23 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # `kernels/` is installed as `gdn_kernels`: a top-level module named `kernels` would shadow
-    # other libraries' modules of that name.
-    packages=find_packages(include=["gdn_parallel", "gdn_parallel.*"]) + ["gdn_kernels"],
-    package_dir={"gdn_kernels": "kernels"},
-    package_data={"gdn_parallel": ["py.typed"]},
-    install_requires=["torch>=2.11,<2.15", "PyYAML>=6", "numpy"],
+    # other libraries' modules of that name. Subpackages are found, not listed, so none goes missing;
+    # namespace search because a folder without __init__.py (gdn_parallel/parallel/) is a package too.
+    # `configs/` stays at the repository root (docs and users name `configs/...`) and is shipped as
+    # `gdn_parallel/configs/` so that `gdn-train --config configs/NAME.yaml` works after `pip install .`.
+    packages=(find_namespace_packages(include=["gdn_parallel", "gdn_parallel.*"], exclude=NOT_PACKAGES)
+              + ["gdn_kernels"]
+              + [f"gdn_kernels.{name}" for name in find_namespace_packages("kernels", exclude=NOT_PACKAGES)]
+              + ["gdn_parallel.configs"]),
+    package_dir={"gdn_kernels": "kernels", "gdn_parallel.configs": "configs"},
+    package_data={"gdn_parallel": ["py.typed"], "gdn_parallel.configs": ["*.yaml"]},
+    install_requires=[TORCH, "PyYAML>=6", "numpy"],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", "triton>=3.4"],  # triton: interpreter tests on CPU
-        "gpu": ["triton>=3.4"],
-        "launch": ["deepspeed", "mpi4py"],
-        "log": ["wandb", "tensorboard", "matplotlib"],
-        "hf": ["safetensors", "tokenizers", "transformers"],
+        # triton: interpreter tests on CPU; setuptools: tests/test_packaging.py builds the wheel without
+        # build isolation (70.1+ builds wheels without the separate `wheel` package)
+        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1"],
+        "gpu": [TRITON],
+        "log": ["matplotlib"],  # loss.png beside metrics.jsonl (train.out_dir)
     },
     entry_points={
         "console_scripts": [

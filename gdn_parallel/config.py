@@ -1,22 +1,168 @@
 """One configuration object for everything: dataclasses, loaded from YAML, overridable from the CLI.
 
-Invalid values fail here, before any model or process group exists, with a message that names the
-field and says how to fix it.
+Invalid values fail here, before any model or process group exists, with a ConfigError that names
+`section.field`, shows the bad value and says how to fix it. Every field is checked: its type, then
+its range (the tables `*_RULES` below, one row per field with a numeric range), then the rules that
+tie fields together (`validate` methods).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Optional, Tuple, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 LAYER_SYMBOLS = {"G": "gated deltanet", "S": "sliding-window attention", "A": "full causal attention"}
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_TYPES = ("cpu", "cuda")                # what the training loops place a model on
+PP_SCHEDULES = ("1f1b", "interleaved")
+DATA_PARALLEL_MODES = ("fsdp", "ddp")
+# A *short* convolution: the fused Triton conv unrolls all W taps per token and W^2 in its backward.
+# Measured on an H100 (T=8192, D=2048, bf16, forward+backward): W=4 compiles in 6 s and runs in
+# 1 ms, W=8 compiles in 41 s and runs 10x slower, W=16 did not compile within 150 s.
+MAX_CONV_SIZE = 8
+
+
+# Fields that were replaced, with what replaced them (a config naming one fails with this).
+RENAMED = {"parallel.microbatches": "set train.microbatch_size (sequences per forward/backward) instead; the "
+                                    "micro-batches of a step, under pipeline parallelism too, are "
+                                    "train.batch_size / train.microbatch_size"}
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+# A range rule: (field, test on the value, what the value must be, with the fix).
+Rule = Tuple[str, Callable[[Any], bool], str]
+
+
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda value: value >= low
+
+
+def _finite_above(low: float) -> Callable[[Any], bool]:
+    return lambda value: math.isfinite(value) and value > low
+
+
+def _finite_at_least(low: float) -> Callable[[Any], bool]:
+    return lambda value: math.isfinite(value) and value >= low
+
+
+def _half_open(low: float, high: float) -> Callable[[Any], bool]:
+    return lambda value: low <= value < high    # NaN fails every comparison
+
+
+def _optional(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or test(value)
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+_SEED_RULE = (lambda value: -2 ** 63 <= value < 2 ** 64,
+              "must be an integer in [-2**63, 2**64) (what torch.manual_seed takes), e.g. 0")
+
+MODEL_RULES: Tuple[Rule, ...] = (
+    ("vocab_size", _at_least(1), "must be >= 1: the number of token ids (256 for bytes)"),
+    ("hidden_size", _at_least(1), "must be >= 1: the model width, e.g. 128"),
+    ("n_layers", _at_least(1), "must be >= 1: the number of blocks"),
+    ("gdn_num_heads", _at_least(1), "must be >= 1: the number of GDN q/k heads"),
+    ("gdn_num_v_heads", _optional(_at_least(1)),
+     "must be >= 1 or null (null: as many as model.gdn_num_heads)"),
+    ("gdn_head_dim", _at_least(1), "must be >= 1: the GDN q/k head size, e.g. 128"),
+    ("gdn_expand_v", _finite_above(0.0),
+     "must be a number > 0: the GDN value head size is gdn_head_dim * gdn_expand_v, e.g. 2.0"),
+    ("gdn_chunk_size", _power_of_two,
+     "must be a power of two: the tokens per chunk of the chunked GDN algorithm, e.g. 64"),
+    ("conv_size", lambda value: 1 <= value <= MAX_CONV_SIZE,
+     f"must be in [1, {MAX_CONV_SIZE}]: the short-convolution width (the fused kernel unrolls every tap), "
+     f"e.g. 4"),
+    ("attn_num_heads", _at_least(1), "must be >= 1: the number of attention query heads"),
+    ("attn_num_kv_heads", _optional(_at_least(1)),
+     "must be >= 1 or null (null: as many as model.attn_num_heads)"),
+    ("attn_head_dim", _optional(_at_least(1)),
+     "must be >= 1 or null (null: model.hidden_size / model.attn_num_heads)"),
+    ("window_size", _at_least(1),
+     "must be >= 1: the keys a sliding-window query sees, itself included, e.g. 64"),
+    ("rope_theta", _finite_above(0.0), "must be a number > 0: the RoPE base, e.g. 10000.0"),
+    ("hidden_ratio", _finite_above(0.0),
+     "must be a number > 0: the MLP width over model.hidden_size, e.g. 4.0"),
+    ("intermediate_size", _optional(_at_least(1)),
+     "must be >= 1 or null (null: derived from model.hidden_ratio)"),
+    ("norm_eps", _finite_above(0.0), "must be a number > 0: the RMSNorm epsilon, e.g. 1e-6"),
+    ("initializer_range", _finite_above(0.0),
+     "must be a number > 0: the std of the initial weights, e.g. 0.02"),
+)
+
+DATA_RULES: Tuple[Rule, ...] = (
+    ("source", lambda value: bool(value.strip()),
+     "must name the data: 'stdlib', a directory, a file or a glob of text files"),
+    ("val_fraction", _half_open(0.0, 1.0),
+     "must be in [0, 1): the share of documents held out for validation, e.g. 0.02"),
+    ("seed", *_SEED_RULE),
+)
+
+TRAIN_RULES: Tuple[Rule, ...] = (
+    ("seq_len", _at_least(2),
+     "must be >= 2: a sequence needs an input token and the label after it, e.g. 256"),
+    ("batch_size", _at_least(1), "must be >= 1: sequences per optimizer step"),
+    ("microbatch_size", _at_least(0),
+     "must be >= 0: sequences per forward/backward, dividing train.batch_size (0: the whole batch)"),
+    ("steps", _at_least(1), "must be >= 1: optimizer updates"),
+    ("lr", _finite_above(0.0), "must be a number > 0: the peak learning rate, e.g. 3e-3"),
+    ("min_lr_ratio", lambda value: 0.0 <= value <= 1.0,
+     "must be in [0, 1]: the final learning rate over train.lr, e.g. 0.1"),
+    ("warmup_steps", _at_least(0), "must be >= 0: linear warmup updates (0: none)"),
+    ("weight_decay", _finite_at_least(0.0), "must be a number >= 0 (0: no decay), e.g. 0.1"),
+    ("beta1", _half_open(0.0, 1.0), "must be in [0, 1): AdamW's first-moment decay, e.g. 0.9"),
+    ("beta2", _half_open(0.0, 1.0), "must be in [0, 1): AdamW's second-moment decay, e.g. 0.95"),
+    ("grad_clip", _finite_at_least(0.0),
+     "must be a number >= 0: the gradient-norm bound (0 turns clipping off), e.g. 1.0"),
+    ("seed", *_SEED_RULE),
+    ("log_every", _at_least(1), "must be >= 1: steps between progress lines"),
+    ("eval_every", _at_least(0), "must be >= 0: steps between evaluations (0: only at the end)"),
+    ("eval_batches", _at_least(1), "must be >= 1: validation batches per evaluation"),
+    ("threads", _at_least(0), "must be >= 0: CPU threads for torch (0: torch's default)"),
+    ("peak_tflops", _finite_at_least(0.0),
+     "must be a number >= 0: one device's peak TFLOP/s for MFU (0: look it up)"),
+)
+
+PARALLEL_RULES: Tuple[Rule, ...] = tuple(
+    (name, _at_least(1), f"must be >= 1: {what}") for name, what in (
+        ("tp", "the tensor-parallel degree (1: off)"), ("pp", "the pipeline-parallel degree (1: off)"),
+        ("cp", "the context-parallel degree (1: off)"), ("dp", "the data-parallel degree (1: off)"),
+        ("virtual_stages", "pipeline stages per pp rank (1 with the 1f1b schedule)")))
+
+
+def _implementation_choices() -> dict:
+    """`section.field` -> the values its consumer accepts, taken from that consumer. Imported on use:
+    those modules import this one (and torch)."""
+    from .ops.attention import _IMPLS as ATTENTION_IMPLS
+    from .ops.gated_delta_rule import IMPLS as GDN_IMPLS
+    from .parallel.checkpointing import MODES as CHECKPOINTING_MODES
+    from .parallel.context import CP_ALGORITHMS
+    return {"model.gdn_impl": GDN_IMPLS, "model.attn_impl": ATTENTION_IMPLS,
+            "train.activation_checkpointing": CHECKPOINTING_MODES, "parallel.cp_algorithm": CP_ALGORITHMS}
+
+
+def _max_head_dim() -> int:
+    from .ops.gated_delta_rule import MAX_HEAD_DIM
+    return MAX_HEAD_DIM
+
+
+def _triton_chunk_size() -> Optional[int]:
+    """The chunk length the Triton GDN kernels are built for; None where they do not import (then
+    they never run: impl 'auto' takes the PyTorch path and 'triton' fails with its own message)."""
+    from .ops.triton_dispatch import kernel_module
+    kernels = kernel_module("gated_delta_rule")
+    return None if kernels is None else kernels.CHUNK
 
 
 @dataclass
@@ -55,7 +201,8 @@ class ModelConfig:
     initializer_range: float = 0.02
     # lm_head + cross-entropy a chunk of tokens at a time (gdn_kernels.linear_cross_entropy): the
     # [tokens, vocab] logits are never held at once. Logits are still returned without labels.
-    fused_linear_cross_entropy: bool = False
+    # null (the default): on where CUDA is available, off elsewhere.
+    fused_linear_cross_entropy: Optional[bool] = None
 
     @property
     def layer_types(self) -> str:
@@ -88,10 +235,9 @@ class ModelConfig:
         return 256 * ((width + 255) // 256)
 
     def validate(self) -> None:
-        _positive(self, "vocab_size", "hidden_size", "n_layers", "gdn_num_heads", "gdn_head_dim",
-                  "attn_num_heads", "window_size", "conv_size", "gdn_chunk_size")
+        _check_fields(self, "model", MODEL_RULES)
         if not self.layer_pattern:
-            raise ConfigError("model.layer_pattern is empty: give one symbol per layer, e.g. 'GS'")
+            raise ConfigError("model.layer_pattern='' is empty: give one symbol per layer, e.g. 'GS'")
         unknown = sorted(set(self.layer_pattern) - set(LAYER_SYMBOLS))
         if unknown:
             raise ConfigError(
@@ -106,30 +252,50 @@ class ModelConfig:
             raise ConfigError(
                 f"model.gdn_num_v_heads={self.num_v_heads} must be a multiple of model.gdn_num_heads="
                 f"{self.gdn_num_heads} (grouped value heads share q/k heads)")
-        if self.head_v_dim != self.gdn_head_dim * self.gdn_expand_v:
-            raise ConfigError(f"model.gdn_head_dim * model.gdn_expand_v = "
-                              f"{self.gdn_head_dim * self.gdn_expand_v} must be a whole number")
-        if self.gdn_head_dim > 256 or self.head_v_dim > 256:
-            raise ConfigError(f"model.gdn_head_dim={self.gdn_head_dim} and head_dim*expand_v="
-                              f"{self.head_v_dim} must be <= 256 (kernel limit)")
+        value_head = self.gdn_head_dim * self.gdn_expand_v
+        if value_head != self.head_v_dim or self.head_v_dim < 1:
+            raise ConfigError(f"model.gdn_expand_v={self.gdn_expand_v} gives a value head of "
+                              f"model.gdn_head_dim * gdn_expand_v = {value_head}; choose gdn_expand_v so "
+                              f"that this is a whole number >= 1")
+        max_head_dim = _max_head_dim()
+        if self.gdn_head_dim > max_head_dim:
+            raise ConfigError(f"model.gdn_head_dim={self.gdn_head_dim} must be <= {max_head_dim} (kernel "
+                              f"limit); use more heads of at most {max_head_dim}")
+        if self.head_v_dim > max_head_dim:
+            raise ConfigError(f"model.gdn_expand_v={self.gdn_expand_v} gives a value head of "
+                              f"model.gdn_head_dim * gdn_expand_v = {self.head_v_dim} > {max_head_dim} "
+                              f"(kernel limit); lower gdn_expand_v or gdn_head_dim")
         if self.attn_head_dim is None and self.hidden_size % self.attn_num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.attn_num_heads="
                 f"{self.attn_num_heads}; change one of them or set model.attn_head_dim")
         if self.attn_num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"model.attn_num_heads={self.attn_num_heads} must be a multiple of "
-                f"model.attn_num_kv_heads={self.num_kv_heads}")
-        if self.attn_dim % 2:
-            raise ConfigError(f"attention head dim {self.attn_dim} must be even for RoPE; "
-                              f"set model.attn_head_dim or change model.attn_num_heads")
-        if not isinstance(self.fused_linear_cross_entropy, bool):
-            raise ConfigError(f"model.fused_linear_cross_entropy={self.fused_linear_cross_entropy!r} "
-                              f"must be true or false")
-        for name, allowed in (("gdn_impl", ("auto", "naive", "chunk", "triton")),
-                              ("attn_impl", ("auto", "sdpa", "flex"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r}; choose one of {allowed}")
+                f"model.attn_num_kv_heads={self.num_kv_heads} must divide model.attn_num_heads="
+                f"{self.attn_num_heads} (grouped-query heads); change one of them")
+        if self.attn_dim % 2:  # RoPE rotates pairs of channels
+            if self.attn_head_dim is not None:
+                raise ConfigError(f"model.attn_head_dim={self.attn_head_dim} must be even for RoPE; "
+                                  f"choose an even size")
+            raise ConfigError(f"the attention head size model.hidden_size / attn_num_heads = "
+                              f"{self.attn_dim} must be even for RoPE; set model.attn_head_dim or change "
+                              f"model.attn_num_heads")
+        if self.intermediate_size is None and self.mlp_dim < 1:
+            raise ConfigError(f"model.hidden_ratio={self.hidden_ratio} gives an MLP width of 0 at "
+                              f"model.hidden_size={self.hidden_size}; raise it or set "
+                              f"model.intermediate_size")
+        choices = _implementation_choices()
+        _check_choice(self, "model", "gdn_impl", choices["model.gdn_impl"])
+        _check_choice(self, "model", "attn_impl", choices["model.attn_impl"])
+        if self.gdn_impl == "triton":
+            self.check_triton_chunk_size("model.gdn_impl='triton' runs the Triton kernels")
+
+    def check_triton_chunk_size(self, why: str) -> None:
+        """The Triton GDN kernels run one chunk length; `why` says why they will run."""
+        chunk = _triton_chunk_size()
+        if chunk is not None and self.gdn_chunk_size != chunk:
+            raise ConfigError(f"model.gdn_chunk_size={self.gdn_chunk_size}: {why}, which process chunks of "
+                              f"{chunk} tokens; set model.gdn_chunk_size={chunk} or model.gdn_impl='chunk'")
 
 
 @dataclass
@@ -141,14 +307,18 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        # Whether the source yields documents is checked when it is read (gdn_parallel.data.corpus),
+        # still before the model exists: listing a large corpus twice would slow every start.
+        _check_fields(self, "data", DATA_RULES)
 
 
 @dataclass
 class TrainConfig:
     seq_len: int = 256
-    batch_size: int = 4          # sequences per step, packed into one varlen row
+    batch_size: int = 4          # sequences per optimizer step
+    # sequences per forward/backward (gradient accumulation; under pipeline parallelism, the pipeline's
+    # micro-batches); 0: the whole batch at once
+    microbatch_size: int = 0
     steps: int = 200
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -169,17 +339,36 @@ class TrainConfig:
     activation_checkpointing: str = "none"   # "full": recompute each block in the backward
 
     def validate(self) -> None:
-        _positive(self, "seq_len", "batch_size", "steps", "lr", "log_every", "eval_batches")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps="
-                              f"{self.steps}]")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"train.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
-        if self.activation_checkpointing not in ("none", "full"):
-            raise ConfigError(f"train.activation_checkpointing={self.activation_checkpointing!r}; choose "
-                              f"'none' or 'full' (recompute every block in the backward)")
+        _check_fields(self, "train", TRAIN_RULES)
+        if self.microbatch_size and self.batch_size % self.microbatch_size:
+            raise ConfigError(f"train.microbatch_size={self.microbatch_size} does not divide train.batch_size="
+                              f"{self.batch_size}; choose a divisor (or 0: no accumulation)")
+        if self.warmup_steps > self.steps:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds train.steps={self.steps}; "
+                              f"lower train.warmup_steps or raise train.steps")
+        _check_choice(self, "train", "dtype", TRAIN_DTYPES)
+        _check_choice(self, "train", "activation_checkpointing",
+                      _implementation_choices()["train.activation_checkpointing"],
+                      "(full: recompute every block in the backward)")
+        _check_device(self.device)
+        _check_out_dir(self.out_dir)
+
+    @property
+    def microbatch_rows(self) -> int:
+        """Sequences per forward/backward."""
+        return self.microbatch_size or self.batch_size
+
+    @property
+    def microbatches(self) -> int:
+        """Forward/backward passes per optimizer step (the pipeline's micro-batches under pp)."""
+        return self.batch_size // self.microbatch_rows
+
+    def trains_on_cuda(self) -> bool:
+        """Whether single-process training will run on a CUDA device."""
+        import torch
+        if self.device == "auto":
+            return torch.cuda.is_available()
+        return torch.device(self.device).type == "cuda"
 
 
 @dataclass
@@ -191,7 +380,6 @@ class ParallelConfig:
     dp: int = 1
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"          # 1f1b | interleaved
-    microbatches: int = 1
     virtual_stages: int = 1            # pipeline stages per pp rank (interleaved schedule)
     data_parallel: str = "fsdp"        # fsdp (FSDP2 over dp, replicated over cp) | ddp
     cp_algorithm: str = "relay"        # relay | allgather (DESIGN §2)
@@ -202,25 +390,20 @@ class ParallelConfig:
 
     def validate(self, model: Optional[ModelConfig] = None, train: Optional["TrainConfig"] = None,
                  world_size: Optional[int] = None) -> "ParallelConfig":
-        for name in ("tp", "pp", "cp", "dp", "microbatches", "virtual_stages"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
-        for name, allowed in (("pp_schedule", ("1f1b", "interleaved")), ("data_parallel", ("fsdp", "ddp")),
-                              ("cp_algorithm", ("relay", "allgather"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)!r}; choose one of {allowed}")
+        _check_fields(self, "parallel", PARALLEL_RULES)
+        _check_choice(self, "parallel", "pp_schedule", PP_SCHEDULES)
+        _check_choice(self, "parallel", "data_parallel", DATA_PARALLEL_MODES)
+        _check_choice(self, "parallel", "cp_algorithm", _implementation_choices()["parallel.cp_algorithm"])
         if world_size is not None and self.world_size != world_size:
             raise ConfigError(
                 f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} but "
                 f"the job has {world_size} processes; make the product equal the world size")
         if self.pp_schedule == "interleaved" and self.virtual_stages < 2 and self.pp > 1:
-            raise ConfigError("parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2")
+            raise ConfigError(f"parallel.virtual_stages={self.virtual_stages}: "
+                              f"parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2")
         if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
             raise ConfigError(f"parallel.virtual_stages={self.virtual_stages} needs "
                               f"parallel.pp_schedule=interleaved (1f1b has one stage per rank)")
-        if self.pp > 1 and self.microbatches < self.pp:
-            raise ConfigError(f"parallel.microbatches={self.microbatches} < parallel.pp={self.pp}: a pipeline "
-                              f"schedule needs at least one microbatch per stage; raise microbatches")
         if model is not None:
             self._validate_model(model)
         if train is not None:
@@ -246,15 +429,19 @@ class ParallelConfig:
                               f"virtual_stages = {stages}; use fewer stages or more layers")
 
     def _validate_train(self, train: "TrainConfig") -> None:
-        if train.batch_size % self.microbatches:
-            raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by parallel.microbatches="
-                              f"{self.microbatches}")
-        row = train.batch_size // self.microbatches * train.seq_len
+        if self.pp > 1 and train.microbatches < self.pp:
+            raise ConfigError(f"train.microbatch_size={train.microbatch_size} gives {train.microbatches} "
+                              f"micro-batch(es) of train.batch_size={train.batch_size}, fewer than the "
+                              f"parallel.pp={self.pp} pipeline stages; a schedule needs one per stage: lower "
+                              f"train.microbatch_size (or raise train.batch_size)")
+        row = train.microbatch_rows * train.seq_len
         split = self.cp * (self.tp if self.sequence_parallel else 1)
+        # Divisible and positive, so every rank's shard holds row // split >= 1 tokens.
         if row % split:
             what = "parallel.cp * parallel.tp (sequence parallel)" if self.sequence_parallel else "parallel.cp"
-            raise ConfigError(f"a microbatch row of train.seq_len * batch_size / microbatches = {row} tokens "
-                              f"is not divisible by {what} = {split}; no padding is added")
+            raise ConfigError(f"a micro-batch row of train.seq_len * microbatch_size = {row} tokens "
+                              f"is not divisible by {what} = {split}; no padding is added: change "
+                              f"train.seq_len or the parallel degrees")
 
 
 @dataclass
@@ -269,6 +456,29 @@ class Config:
         self.data.validate()
         self.train.validate()
         self.parallel.validate(self.model, self.train, world_size)
+        from .data.corpus import BYTE_VOCAB_SIZE  # imported here: that module imports this one
+        if self.model.vocab_size < BYTE_VOCAB_SIZE:
+            raise ConfigError(f"model.vocab_size={self.model.vocab_size} is smaller than the "
+                              f"{BYTE_VOCAB_SIZE} byte tokens of data.source={self.data.source!r}; set "
+                              f"model.vocab_size >= {BYTE_VOCAB_SIZE}")
+        if self.model.gdn_impl == "auto" and self.train.trains_on_cuda():
+            self.model.check_triton_chunk_size(
+                f"model.gdn_impl='auto' on train.device={self.train.device!r} (CUDA) runs the Triton kernels")
+        triton_on_gpu = self.model.gdn_impl in ("auto", "triton") and self.train.trains_on_cuda()
+        if triton_on_gpu and self.train.dtype == "float32" and self.model.gdn_head_dim > 128:
+            # measured by tools/kernel_resources.py: two backward kernels hold [64, K] fp32 tiles whole
+            raise ConfigError(f"model.gdn_head_dim={self.model.gdn_head_dim} with train.dtype='float32' on CUDA: "
+                              f"the Triton GDN backward kernels need more shared memory than a GPU block has for "
+                              f"fp32 keys wider than 128; use train.dtype=bfloat16 (autocast), "
+                              f"model.gdn_head_dim <= 128, or model.gdn_impl='chunk'")
+        if self.model.gdn_impl == "triton" and not self.train.trains_on_cuda():
+            import torch
+            from .ops.triton_dispatch import check_triton_input
+            try:  # the op's own test, on an empty tensor standing for this CPU run
+                check_triton_input(torch.empty(0), "gated_delta_rule", "chunk")
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"model.gdn_impl='triton' cannot run on train.device={self.train.device!r} "
+                                  f"(CPU): {err}") from None
         return self
 
     def to_dict(self) -> dict:
@@ -279,18 +489,21 @@ class Config:
         return _build(cls, data or {}, "")
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path], overrides: Optional[list] = None) -> "Config":
+    def from_yaml(cls, path: Union[str, Path], overrides: Optional[list] = None,
+                  validate: bool = True) -> "Config":
+        """Load a YAML file, apply `section.field=value` overrides, then validate (unless told not to:
+        the CLI adjusts a few fields first)."""
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+        data = _read_yaml(path)
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections "
+                              f"(model:, data:, train:, parallel:), got {type(data).__name__}")
         config = cls.from_dict(data)
         if overrides:
             config = config.with_overrides(overrides)
-        return config.validate()
+        return config.validate() if validate else config
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -299,34 +512,125 @@ class Config:
         """Apply `section.field=value` strings (value parsed as YAML)."""
         data = self.to_dict()
         for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like section.field=value")
-            key, raw = item.split("=", 1)
-            parts = key.strip().split(".")
-            if len(parts) != 2 or parts[0] not in data:
-                raise ConfigError(f"override key {key!r} must be <section>.<field> with section in "
-                                  f"{sorted(data)}")
-            if parts[1] not in data[parts[0]]:
-                raise ConfigError(f"override {key!r}: section {parts[0]!r} has no field {parts[1]!r}; "
-                                  f"fields: {sorted(data[parts[0]])}")
-            data[parts[0]][parts[1]] = yaml.safe_load(raw)
+            section, name, value = parse_override(item, data)
+            data[section][name] = value
         return Config.from_dict(data)
 
 
-def _positive(obj, *names):
-    section = {ModelConfig: "model", TrainConfig: "train", ParallelConfig: "parallel"}.get(type(obj), "config")
-    for name in names:
+def parse_override(item: str, sections: Optional[dict] = None) -> Tuple[str, str, Any]:
+    """`section.field=value` -> (section, field, value parsed as YAML); `sections` (a config as a
+    dict, defaults if None) says which sections and fields exist."""
+    sections = Config().to_dict() if sections is None else sections
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or parts[0] not in sections:
+        raise ConfigError(f"override key {key!r} must be <section>.<field> with section in "
+                          f"{sorted(sections)}")
+    if key.strip() in RENAMED:
+        raise ConfigError(f"{key.strip()} is gone: {RENAMED[key.strip()]}")
+    if parts[1] not in sections[parts[0]]:
+        raise ConfigError(f"override {key!r}: section {parts[0]!r} has no field {parts[1]!r}; "
+                          f"fields: {sorted(sections[parts[0]])}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML "
+                          f"({getattr(err, 'problem', None) or err}); quote it or fix its syntax") from None
+    return parts[0], parts[1], value
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML at {where}: {err.problem or err}; "
+                          f"fix the syntax there (indentation, a missing ':', an unclosed quote or "
+                          f"bracket)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}; fix its syntax") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err}); save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls) -> dict:
+    return get_type_hints(cls)
+
+
+def _check_fields(obj, section: str, rules: Tuple[Rule, ...]) -> None:
+    """Every field's type (as when read from YAML, so configs built in code are held to the same
+    rules), then the range rules of `rules`."""
+    hints = _field_types(type(obj))
+    for f in fields(obj):
+        setattr(obj, f.name, _coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"))
+    for name, test, requirement in rules:
         value = getattr(obj, name)
-        if value is None or value <= 0:
-            raise ConfigError(f"{section}.{name}={value} must be positive")
+        if not test(value):
+            raise ConfigError(f"{section}.{name}={value!r} {requirement}")
+
+
+def _check_choice(obj, section: str, name: str, allowed, note: str = "") -> None:
+    value = getattr(obj, name)
+    if value not in allowed:
+        raise ConfigError(f"{section}.{name}={value!r} is not supported; choose one of {tuple(allowed)}"
+                          + (f" {note}" if note else ""))
+
+
+def _check_device(name: str) -> None:
+    """The form of train.device; whether a CUDA device is present is checked when training starts."""
+    if name == "auto":
+        return
+    import torch
+    try:
+        device_type = torch.device(name).type
+    except (RuntimeError, ValueError):
+        device_type = None
+    if device_type not in DEVICE_TYPES:
+        raise ConfigError(f"train.device={name!r} is not a device to train on; use 'auto', 'cpu', 'cuda' or "
+                          f"'cuda:N'")
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """train.out_dir must be a writable directory or one that can be created; checked without
+    creating anything (training creates it)."""
+    if not out_dir:
+        return
+    path = Path(out_dir).absolute()
+    try:
+        existing = path
+        while not existing.exists():  # the nearest existing ancestor: mkdir(parents=True) makes the rest
+            existing = existing.parent
+        is_dir = existing.is_dir()
+    except OSError as err:
+        raise ConfigError(f"train.out_dir={out_dir!r} cannot be checked ({err.strerror}: {err.filename}); "
+                          f"choose a directory you can write") from None
+    if not is_dir:
+        where = "is an existing file" if existing == path else f"lies under the file {str(existing)!r}"
+        raise ConfigError(f"train.out_dir={out_dir!r} {where}; choose a directory path (or '' to write "
+                          f"nothing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = ("is not writable" if existing == path
+                else f"cannot be created: {str(existing)!r} is not writable")
+        raise ConfigError(f"train.out_dir={out_dir!r} {what}; choose a directory you can write (or '' to "
+                          f"write nothing)")
 
 
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
-    hints = get_type_hints(cls)
+    hints = _field_types(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
+    for name in unknown:
+        if prefix + name in RENAMED:
+            raise ConfigError(f"{prefix}{name} is gone: {RENAMED[prefix + name]}")
     if unknown:
         raise ConfigError(f"unknown field(s) {[prefix + u for u in unknown]}; known: {sorted(known)}")
     kwargs: dict[str, Any] = {}
@@ -344,7 +648,7 @@ def _coerce(value, hint, name):
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{name} may not be null")
+        raise ConfigError(f"{name} may not be null; give a value")
     base = [a for a in get_args(hint) if a is not type(None)][0] if optional else hint
     if base is bool:
         if not isinstance(value, bool):

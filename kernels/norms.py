@@ -102,7 +102,7 @@ def _blocks(n: int, elements: int):
 
 class _RowNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, gate, eps: float, mean: bool):
+    def forward(ctx, x, weight, gate, eps: float, mean: bool, out_dtype: Optional[torch.dtype] = None):
         n = x.shape[-1]
         if n > MAX_HIDDEN:
             raise ValueError(f"fused norms hold a row in registers: last dim {n} > {MAX_HIDDEN}")
@@ -111,7 +111,7 @@ class _RowNorm(torch.autograd.Function):
         x2 = x.reshape(-1, n).contiguous()  # the kernels index rows as row * N
         g2 = None if gate is None else gate.reshape(-1, n).contiguous()
         w = None if weight is None else weight.contiguous()
-        y = torch.empty_like(x2)
+        y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
         m = x2.shape[0]
         block_rows, block_n, warps = _blocks(n, 4096)
         scale = 1.0 / n if mean else 1.0
@@ -143,7 +143,7 @@ class _RowNorm(torch.autograd.Function):
                 ctx.scale, ctx.eps, HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None,
                 BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)
         dw = None if w is None else dw_partial.sum(0).to(w.dtype)
-        return (dx.view(ctx.shape), dw, None if dg is None else dg.view(ctx.shape), None, None)
+        return (dx.view(ctx.shape), dw, None if dg is None else dg.view(ctx.shape), None, None, None)
 
 
 def triton_l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -151,8 +151,9 @@ def triton_l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return _RowNorm.apply(x, None, None, eps, False)
 
 
-def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: Optional[torch.Tensor] = None,
+                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight [* silu(gate)] over the last dim (<= 8192): normalise,
-    then gate. fp32 math; output and dx in x's dtype, dweight in weight's, dgate in gate's."""
-    return _RowNorm.apply(x, weight, gate, eps, True)
+    then gate. fp32 math; output in out_dtype (default x's), dx in x's dtype, dweight in weight's,
+    dgate in gate's."""
+    return _RowNorm.apply(x, weight, gate, eps, True, out_dtype)

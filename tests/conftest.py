@@ -13,3 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+
+def pytest_report_header():
+    from tests.seeds import OFFSET_VARIABLE, seed_offset
+    return f"{OFFSET_VARIABLE}={seed_offset()} (every test seed shifted by it; tests/seeds.py)"

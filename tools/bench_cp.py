@@ -65,8 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout (a stuck peer)")
-    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "bench_cp.json") if os.environ.get("OUT")
-                   else "bench_cp.json")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "runs", "bench_cp.json"),
+                   help="JSON results (default: $OUT/bench_cp.json when $OUT is set, "
+                        "else runs/bench_cp.json)")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 sizes for a CPU check")
     p.add_argument("--profile", action="store_true",
                    help="also profile one model step per setting; every rank writes profile_rank<r>.json "

@@ -110,7 +110,7 @@ def sweep_tunings(args, op):
     base = dict(gdn_triton.TUNING)
     for setting in args.tunings.split(";"):
         override = dict(kv.split("=") for kv in setting.split(",") if kv)
-        override = {k: (v if k == "inverse_precision" else int(v)) for k, v in override.items()}
+        override = {k: int(v) for k, v in override.items()}
         gdn_triton.TUNING.clear()
         gdn_triton.TUNING.update(base, **override)
         fwd_ms, fb_ms = measure(op, inputs, args.warmup, args.iters)

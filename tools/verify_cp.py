@@ -2,7 +2,7 @@
 over the CP group against the same model on one device, fp32 (TF32 off), both algorithms, and the
 bf16 autocast run against the fp32 reference. Prints a table and writes JSON.
 
-    torchrun --nproc_per_node=2 tools/verify_cp.py [--out verify_cp.json]
+    torchrun --nproc_per_node=2 tools/verify_cp.py [--out runs/verify_cp.json]
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def compare(reference, model, batch, algorithm, autocast_dtype=None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "verify_cp.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "runs", "verify_cp.json"),
+                        help="JSON results (default: $OUT/verify_cp.json when $OUT is set, "
+                             "else runs/verify_cp.json)")
     parser.add_argument("--tokens-per-rank", type=int, default=1024)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -83,6 +85,7 @@ def main() -> None:
                 if rank == 0:
                     print(json.dumps(row), flush=True)
     if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
             json.dump({"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                        "torch": torch.__version__, "rows": rows}, fh, indent=1)

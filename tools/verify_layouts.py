@@ -69,7 +69,7 @@ def full(t, param, dims):
 
 def verify(layout: dict, model_config: ModelConfig, device, low_precision: bool, rows_per_replica=2,
            row_len=512) -> dict:
-    config = ParallelConfig(microbatches=rows_per_replica, **layout)
+    config = ParallelConfig(**layout)
     dims = build_mesh(config, device.type)
     torch.manual_seed(0)
     reference = HybridLM(model_config).to(device)
@@ -118,7 +118,9 @@ def _max_over_ranks(value: float, device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="", help="comma list (default: all that fit the world size)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "verify_layouts.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "runs", "verify_layouts.json"),
+                        help="JSON results (default: $OUT/verify_layouts.json when $OUT is set, "
+                             "else runs/verify_layouts.json)")
     parser.add_argument("--row-len", type=int, default=512)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -151,6 +153,7 @@ def main() -> None:
             single = r.get("bf16_1dev_max_grad_err")
             print(f"{r['layout']:<18}{r['precision']:<6}{r['loss_err']:>10.2e}{r['all_params_grad_err']:>12.2e}"
                   f"{r['max_grad_err']:>14.2e}{'-' if single is None else f'{single:.2e}':>12}  {r['ok']}")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
             json.dump({"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                        "torch": torch.__version__, "tolerance": tolerance, "rows": rows}, fh, indent=1)

@@ -41,8 +41,16 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.mlp_dim)
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), seq)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.mixer_branch(x, seq)
+        return x + self.mlp_branch(x)
+
+    # The two residual branches are methods of their own so that activation checkpointing can wrap
+    # one of them from outside (selective: the MLP branch, parallel/checkpointing.py).
+    def mixer_branch(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        return self.attn(self.attn_norm(x), seq)
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.mlp_norm(x))
 
 
 @dataclass
@@ -62,7 +70,10 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(s, config) for s in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.criterion = LinearCrossEntropy() if config.fused_linear_cross_entropy else TokenCrossEntropy()
+        fused = config.fused_linear_cross_entropy
+        if fused is None:  # the default: logits never materialised where memory is tight, a GPU
+            fused = torch.cuda.is_available()
+        self.criterion = LinearCrossEntropy() if fused else TokenCrossEntropy()
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embeddings.weight

@@ -1,8 +1,9 @@
 """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
+
+from ..ops.swiglu import swiglu_down
 
 
 class SwiGLU(nn.Module):
@@ -13,4 +14,5 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # the down projection's input is recomputed in the backward rather than saved (ops/swiglu.py)
+        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)

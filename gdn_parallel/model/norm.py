@@ -9,13 +9,17 @@ from ..ops.triton_dispatch import auto_uses_triton, kernel_module
 
 
 class RMSNorm(nn.Module):
+    """Under autocast the output comes in the autocast dtype: it feeds matrix products only, which
+    would cast it anyway, and once per consumer (six projections in a GDN layer), each cast copy
+    saved for the backward. The residual stream it reads stays in fp32."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, out_dtype=_autocast_dtype(x))
 
 
 class GatedRMSNorm(RMSNorm):
@@ -25,17 +29,28 @@ class GatedRMSNorm(RMSNorm):
         return rms_norm(x, self.weight, self.eps, gate)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor = None) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight [* silu(gate)] over the last dim, in fp32 for half inputs.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor = None,
+             out_dtype: torch.dtype = None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight [* silu(gate)] over the last dim, in fp32 for half inputs;
+    the result in out_dtype (default x's dtype).
 
     On CUDA the fused Triton kernel serves (x read once, forward and backward); elsewhere, or where
     it does not apply, the PyTorch formula below."""
     if _fused_applies(x, gate):
-        return kernel_module("norms").triton_rms_norm(x, weight, eps, gate)
+        return kernel_module("norms").triton_rms_norm(x, weight, eps, gate, out_dtype)
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = (normed * weight.to(normed.dtype)).to(x.dtype)
+    out = (normed * weight.to(normed.dtype)).to(out_dtype or x.dtype)
     return out if gate is None else out * F.silu(gate.to(out.dtype))
+
+
+def _autocast_dtype(x: torch.Tensor):
+    """The autocast dtype for x's device when autocast is on there and x is wider, else None."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if x.dtype.itemsize > dtype.itemsize else None
 
 
 def _fused_applies(x: torch.Tensor, gate) -> bool:

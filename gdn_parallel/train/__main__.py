@@ -2,54 +2,82 @@
 
     gdn-train [--config PATH] [--set section.field=value ...] [--steps N]
 
---config defaults to configs/tiny-cpu.yaml, looked up relative to the current directory and then to
-the repository this package lives in. --set overrides any config field (values parsed as YAML).
---steps N is short for --set train.steps=N; when the config's warmup is longer than N steps and no
---set gives train.warmup_steps, the warmup is shortened to N // 10.
+--config defaults to configs/tiny-cpu.yaml, looked up relative to the current directory, then to
+the repository this package lives in, then (configs/NAME) among the configs installed with it. --set overrides any config field (values parsed as YAML).
+--steps N is short for --set train.steps=N (and wins over it when both are given).
+
+Steps and warmup, one rule for `--steps N` and `--set train.steps=N`: when the command line sets
+train.steps but not train.warmup_steps and the config's warmup is longer than the new step count,
+the warmup is shortened to steps // 10 and a note on stderr says so. A warmup longer than the steps
+that the user chose together (both on the command line, or both in the YAML file) is an error
+naming both fields.
+
+Every configuration error (a bad value, an unknown field, a malformed YAML file) exits with status 2
+and a message naming `section.field` (or the file and line) and the fix, before any model or
+process group exists.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import List, Optional
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, parse_override
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIGS_DIR = "configs"  # at the repository root; installed as gdn_parallel/configs (setup.py)
 
 
 def resolve_config_path(path: str) -> Path:
+    """Find a --config file: as given (relative to the current directory), else relative to the
+    repository root (source checkout, editable install), else, for `configs/NAME`, the copy of NAME
+    installed with the package (`pip install .`). A path found nowhere is returned as given, so the
+    error names what the user typed."""
     candidate = Path(path).expanduser()
     if candidate.is_file() or candidate.is_absolute():
         return candidate
-    fallback = REPO_ROOT / candidate
-    return fallback if fallback.is_file() else candidate
+    in_repo = REPO_ROOT / candidate
+    if in_repo.is_file():
+        return in_repo
+    if candidate.parent == Path(CONFIGS_DIR):  # `other/tiny-cpu.yaml` must not become the packaged file
+        packaged = resources.files("gdn_parallel") / CONFIGS_DIR / candidate.name
+        if packaged.is_file():
+            return Path(str(packaged))  # a real file: wheels install unzipped
+    return candidate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gdn-train", description="Train a GDN / SWA hybrid LM.")
     parser.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"YAML config (default {DEFAULT_CONFIG}, relative to the current directory, "
-                             f"else to the repository root)")
+                             f"else to the repository root, else the configs installed with the package)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a config field, e.g. --set train.lr=1e-3 (repeatable)")
-    parser.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=N")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="shortcut for --set train.steps=N (a longer warmup from the config is "
+                             "shortened to N // 10)")
     return parser
 
 
 def load_config(args) -> Config:
-    path = resolve_config_path(args.config)
+    """The validated config of a parsed command line (steps and warmup: see the module docstring)."""
     overrides = list(args.overrides)
     if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-        warmup_given = any(o.split("=", 1)[0].strip() == "train.warmup_steps" for o in args.overrides)
-        if not warmup_given and args.steps > 0:
-            base = Config.from_yaml(path, list(args.overrides))
-            if base.train.warmup_steps > args.steps:
-                overrides.append(f"train.warmup_steps={args.steps // 10}")
-    return Config.from_yaml(path, overrides)
+        overrides.append(f"train.steps={args.steps}")  # last: --steps wins over --set train.steps
+    config = Config.from_yaml(resolve_config_path(args.config), overrides, validate=False)
+    set_on_command_line = {".".join(parse_override(item)[:2]) for item in overrides}
+    train = config.train
+    if ("train.steps" in set_on_command_line and "train.warmup_steps" not in set_on_command_line
+            and 0 < train.steps < train.warmup_steps):
+        shortened = train.steps // 10
+        print(f"note: the config's train.warmup_steps={train.warmup_steps} exceeds train.steps={train.steps} "
+              f"set on the command line; warmup shortened to {shortened} (give --set "
+              f"train.warmup_steps=N to choose)", file=sys.stderr)
+        train.warmup_steps = shortened
+    return config.validate()
 
 
 def run(argv: Optional[List[str]] = None) -> dict:

@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node=4 -m gdn_parallel.train --set parallel.tp=2 --set parallel.cp=2
 
-Each data-parallel replica reads its own slice of the documents; a step is `parallel.microbatches`
-packed rows of `train.batch_size / microbatches` sequences per replica. The loss printed is the
+Each data-parallel replica reads its own slice of the documents; a step is `train.batch_size /
+train.microbatch_size` packed rows of `train.microbatch_size` sequences per replica (the pipeline's
+micro-batches under pipeline parallelism). The loss printed is the
 global mean over all replicas (rank 0 prints). Evaluation runs in single-process mode only.
 """
 from __future__ import annotations
@@ -61,20 +62,19 @@ def run_distributed_training(config: Config, print_fn=None) -> dict:
         corpus = load_corpus(config.data)
         dp_rank = dims.rank("dp")
         documents = corpus.train[dp_rank::pc.dp]  # disjoint documents per data-parallel replica
-        rows_per_micro = train.batch_size // pc.microbatches
-        batches = packed_batches(documents, train.seq_len, rows_per_micro, seed=config.data.seed)
+        batches = packed_batches(documents, train.seq_len, train.microbatch_rows, seed=config.data.seed)
         tokens_per_step = train.batch_size * train.seq_len * pc.dp
         say(f"data  | {corpus.describe()} | {len(documents):,} docs on dp replica 0")
         say(f"model | {num_parameters:,} parameters | layers {config.model.layer_types}")
         say(f"mesh  | pp {pc.pp} x dp {pc.dp} x cp {pc.cp} x tp {pc.tp} ({pc.data_parallel}, "
-            f"cp {pc.cp_algorithm}, sp {pc.sequence_parallel}, {pc.microbatches} microbatches) on {device.type}")
+            f"cp {pc.cp_algorithm}, sp {pc.sequence_parallel}, {train.microbatches} micro-batches) on {device.type}")
         logger = ProgressLogger(train.steps, train.log_every, tokens_per_step, device,
                                 flops_per_token=flops_per_token,
                                 peak_flops=_cluster_peak(train, device, dist.get_world_size()),
                                 out_dir=train.out_dir if is_main else "", print_fn=say)
         clip = train.grad_clip if train.grad_clip > 0 else math.inf
         for step in range(train.steps):
-            rows = [next(batches).to(device, non_blocking=True) for _ in range(pc.microbatches)]
+            rows = [next(batches).to(device, non_blocking=True) for _ in range(train.microbatches)]
             for group in optimizer.param_groups:
                 group["lr"] = schedule(step)
             loss = parallel.train_step(rows, autocast_dtype=autocast_dtype)

@@ -68,6 +68,20 @@ def forward(model, batch: PackedBatch):
                  position_ids=batch.position_ids)
 
 
+def accumulate_gradients(model, microbatches: List[PackedBatch], dtype_name: str, device: torch.device,
+                         scaler=None) -> torch.Tensor:
+    """Forward and backward of each micro-batch, its summed loss divided by the label tokens of the
+    whole optimizer batch: the gradients add up to those of the batch's mean loss. Returns that mean."""
+    count = max(sum(mb.num_label_tokens for mb in microbatches), 1)
+    total = None
+    for mb in microbatches:
+        with autocast_context(dtype_name, device):
+            loss = forward(model, mb).loss_sum / count
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
 @torch.no_grad()
 def evaluate(model, batches: Iterable[PackedBatch], device: torch.device, dtype_name: str) -> Optional[float]:
     """Token-weighted mean loss over the given batches (None when there are none)."""
@@ -126,12 +140,15 @@ def run_training(config: Config, print_fn=None) -> dict:
         Path(train.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(train.out_dir) / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
 
-    batches = packed_batches(corpus.train, train.seq_len, train.batch_size, seed=config.data.seed)
+    # A step is batch_size sequences in micro-batches of microbatch_size (gradient accumulation); the
+    # rows come in the same order whatever the split, since every row boundary is a document boundary.
+    micro = train.microbatch_rows
+    batches = packed_batches(corpus.train, train.seq_len, micro, seed=config.data.seed)
     eval_set: List[PackedBatch] = []
     if corpus.val:
         eval_set = list(itertools.islice(
-            packed_batches(corpus.val, train.seq_len, train.batch_size, seed=config.data.seed,
-                           epochs=1, drop_last=False), train.eval_batches))
+            packed_batches(corpus.val, train.seq_len, micro, seed=config.data.seed,
+                           epochs=1, drop_last=False), train.eval_batches * train.microbatches))
 
     flops_per_token = float(model.flops_per_token(train.seq_len))
     logger = ProgressLogger(train.steps, train.log_every, tokens_per_step, device,
@@ -141,18 +158,13 @@ def run_training(config: Config, print_fn=None) -> dict:
     clip = train.grad_clip if train.grad_clip > 0 else math.inf
     try:
         for step in range(train.steps):
-            batch = next(batches).to(device, non_blocking=True)
+            microbatches = [next(batches).to(device, non_blocking=True) for _ in range(train.microbatches)]
             lr = schedule(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            with autocast_context(train.dtype, device):
-                out = forward(model, batch)
-            loss = out.loss
+            loss = accumulate_gradients(model, microbatches, train.dtype, device, scaler)
             if scaler is not None:
-                scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
-            else:
-                loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
             if scaler is not None:
                 scaler.step(optimizer)

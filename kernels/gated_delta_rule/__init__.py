@@ -21,6 +21,7 @@ from gdn_parallel.ops.gated_delta_rule.layout import build_layout
 from . import backward as bwd
 from . import forward as fwd
 from .gates import gate_backward, gate_forward
+from .launch import launch_fitting, setting_ladder, value_blocks
 from .scan import ScanPlan, fold, plan_scan
 
 CHUNK = 64
@@ -84,37 +85,43 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _blocks(K: int, V: int):
-    block_k = max(16, triton.next_power_of_2(K))
-    block_v = max(16, min(64, triton.next_power_of_2(V)))
-    return block_k, block_v
+def _key_block(K: int) -> int:
+    """Every kernel holds all K columns of a key or state row at once (K <= 256)."""
+    return max(16, triton.next_power_of_2(K))
 
 
 def _precision(x: torch.Tensor) -> str:
-    """Products of the UT inverse: T is stored in the input dtype, so for bf16 (8-bit mantissa) one
-    TF32 pass (10 bits) is below its rounding; fp16 and fp32 inputs keep ~fp32 products (3xTF32)."""
-    if not x.is_cuda:
-        return "ieee"
-    return TUNING["inverse_precision"] if x.dtype == torch.bfloat16 else "tf32x3"
+    """fp32 products of the UT inverse's block merges and of the span fold: ~fp32 accuracy (3xTF32)
+    on a GPU, where a single TF32 pass would round each product to 10 bits; IEEE in the interpreter."""
+    return "tf32x3" if x.is_cuda else "ieee"
 
 
-# Launch settings, chosen with tools/bench_kernels.py --tunings on an H200: value-block width, warps
-# and pipelining depth of the sequential kernels; warps of the per-chunk backward kernels; the
-# precision of the products of the UT inverse for bf16 inputs (TF32: 0.6 ms less at 64K than 3xTF32,
-# errors unchanged on an H200, since T is rounded to bf16 after; see _precision); warps of ut_forward;
-# chunks per span of the sequential walk (0: about sqrt(chunks), -1: whole documents; see scan.py).
+# Launch settings, chosen with tools/bench_kernels.py --tunings on an H200 (K = V = 128, bf16): value-block
+# width, warps and pipelining depth of the sequential kernels; warps and value-block width of the per-chunk
+# kernels; chunks per span of the sequential walk (0: about sqrt(chunks), -1: whole documents; see scan.py).
+# They are the first choice: where a device lacks the shared memory for them (K = 256, fp32 inputs),
+# launch.py steps down to shallower pipelining and narrower value blocks.
 # Spans are off by default: at H=16, K=V=128 on an H200 they cost more than they save (the walk is
 # bound by the traffic of each step, which spans triple, not by its depth; docs/kernels.md).
 # save_chunk_states: keep W, the chunk states h and Delta (all in the input dtype, the very values the
 # backward would recompute, so accuracy is the same) from the forward instead of recomputing them:
 # ~17% less time for [T, HV] x (K + K*V/64 + V) more activation memory per layer (with activation
 # checkpointing only the block being recomputed holds them). False trades the time back for memory.
-TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_warps": 4, "inverse_precision": "tf32",
+TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_warps": 4, "parallel_block_v": 64,
           "span_chunks": -1, "save_chunk_states": True, "ut_forward_warps": 4}
 
 
-def _sequential_launch():
-    return dict(num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"])
+def _sequential_settings(V: int):
+    return setting_ladder(value_blocks(V, TUNING["block_v"]), TUNING["num_warps"], TUNING["num_stages"])
+
+
+def _parallel_settings(V: int, num_warps: int):
+    """Per-chunk kernels; 3 stages is Triton's default depth."""
+    return setting_ladder(value_blocks(V, TUNING["parallel_block_v"]), num_warps, 3)
+
+
+def _shape_key(keys, values):
+    return (keys.shape[-1], values.shape[-1], keys.dtype, values.device)
 
 
 def _chunk_factors(k, v, beta, gamma, t_inv, compute_t):
@@ -122,64 +129,78 @@ def _chunk_factors(k, v, beta, gamma, t_inv, compute_t):
     UT inverse is computed into t_inv, otherwise read from it."""
     Tp, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    BK, BV = _blocks(K, V)
     w = _buffer((Tp, HV, K), k.dtype, k.device)
     u = _buffer(v.shape, v.dtype, v.device)
-    fwd.ut_forward[(Tp // CHUNK, HV)](k, v, beta, gamma, t_inv, w, u, Tp, H, HV, K, V, CHUNK, BK, BV, 6,
-                                      _precision(v), compute_t, num_warps=TUNING["ut_forward_warps"])
+    launch_fitting(fwd.ut_forward, lambda s: (Tp // CHUNK, HV),
+                   (k, v, beta, gamma, t_inv, w, u, Tp, H, HV, K, V, CHUNK, _key_block(K)),
+                   _parallel_settings(V, TUNING["ut_forward_warps"]), _shape_key(k, v),
+                   PREC=_precision(v), COMPUTE_T=compute_t)
     return w, u
 
 
 def _walk_shape(keys, values):
-    """(Tp, H, K, HV, V, chunks, key block, value block) of a sequential kernel's launch."""
+    """(Tp, H, K, HV, V, chunks, key block) of a sequential kernel's launch."""
     Tp, H, K = keys.shape
     HV, V = values.shape[1], values.shape[2]
-    BK, BV = _blocks(K, V)
-    return Tp, H, K, HV, V, Tp // CHUNK, BK, min(TUNING["block_v"], BV)
+    return Tp, H, K, HV, V, Tp // CHUNK, _key_block(K)
 
 
 def _walk(k, w, u, gamma, h0, plan: ScanPlan, want_final):
     """Chunk states h, Delta and (want_final) the final states, from the initial states h0 (or zero)."""
-    Tp, H, K, HV, V, n, BK, SBV = _walk_shape(k, u)
+    Tp, H, K, HV, V, n, BK = _walk_shape(k, u)
     h = _buffer((n, HV, K, V), u.dtype, u.device)
     delta = _buffer(u.shape, u.dtype, u.device)
+    settings, key = _sequential_settings(V), _shape_key(k, u)
     if plan.spans:
         summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, u.device)
-        fwd.span_summary_forward[(triton.cdiv(K + V, SBV), HV, plan.num_spans)](
-            k, w, u, gamma, plan.span_first, plan.span_count, summary, Tp, H, HV, K, V, CHUNK, BK, SBV,
-            _INTERPRET, **_sequential_launch())
+        launch_fitting(fwd.span_summary_forward, lambda s: (triton.cdiv(K + V, s["BE"]), HV, plan.num_spans),
+                       (k, w, u, gamma, plan.span_first, plan.span_count, summary, Tp, H, HV, K, V, CHUNK, BK),
+                       [_as_be(s) for s in settings], key, INTERPRET=_INTERPRET)
         starts, final = fold(summary, plan, h0, V, False, _precision(u), _INTERPRET)
-        fwd.state_forward[(triton.cdiv(V, SBV), HV, plan.num_spans)](
-            k, w, u, gamma, plan.span_first, plan.span_count, starts, h, delta, starts, Tp,
-            H, HV, K, V, CHUNK, BK, SBV, True, False, _INTERPRET, **_sequential_launch())
+        launch_fitting(fwd.state_forward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_spans),
+                       (k, w, u, gamma, plan.span_first, plan.span_count, starts, h, delta, starts, Tp,
+                        H, HV, K, V, CHUNK, BK), settings, key,
+                       HAS_H0=True, HAS_FINAL=False, INTERPRET=_INTERPRET)
         return h, delta, (final if want_final else None)
     final = _buffer((plan.num_docs, HV, K, V), torch.float32, u.device) if want_final else delta
-    fwd.state_forward[(triton.cdiv(V, SBV), HV, plan.num_docs)](
-        k, w, u, gamma, plan.doc_first, plan.doc_count, h0 if h0 is not None else delta, h, delta, final, Tp,
-        H, HV, K, V, CHUNK, BK, SBV, h0 is not None, want_final, _INTERPRET, **_sequential_launch())
+    launch_fitting(fwd.state_forward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_docs),
+                   (k, w, u, gamma, plan.doc_first, plan.doc_count, h0 if h0 is not None else delta, h, delta,
+                    final, Tp, H, HV, K, V, CHUNK, BK), settings, key,
+                   HAS_H0=h0 is not None, HAS_FINAL=want_final, INTERPRET=_INTERPRET)
     return h, delta, (final if want_final else None)
+
+
+def _as_be(setting: dict) -> dict:
+    """The span-summary kernels call their column block BE (columns of [K | V], not of V alone)."""
+    setting = dict(setting)
+    setting["BE"] = setting.pop("BV")
+    return setting
 
 
 def _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan: ScanPlan, scale, want_dh0):
     """dS' at every chunk's end (dh), the full dDelta (dd) and the initial-state gradients."""
-    Tp, H, K, HV, V, n, BK, SBV = _walk_shape(q, do)
+    Tp, H, K, HV, V, n, BK = _walk_shape(q, do)
     dh = _buffer((n, HV, K, V), do.dtype, do.device)
     dd = _buffer(do.shape, do.dtype, do.device)
+    settings, key = _sequential_settings(V), _shape_key(q, do)
     if plan.spans:
         summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, do.device)
-        bwd.span_summary_backward[(triton.cdiv(K + V, SBV), HV, plan.num_spans)](
-            q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, summary, scale, Tp, H, HV, K, V,
-            CHUNK, BK, SBV, _INTERPRET, **_sequential_launch())
+        launch_fitting(bwd.span_summary_backward,
+                       lambda s: (triton.cdiv(K + V, s["BE"]), HV, plan.num_spans),
+                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, summary, scale, Tp, H, HV,
+                        K, V, CHUNK, BK), [_as_be(s) for s in settings], key, INTERPRET=_INTERPRET)
         ends, dh0 = fold(summary, plan, dfinal, V, True, _precision(do), _INTERPRET)
-        bwd.state_backward[(triton.cdiv(V, SBV), HV, plan.num_spans)](
-            q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, ends, dh, dd, ends, scale, Tp,
-            H, HV, K, V, CHUNK, BK, SBV, True, False, _INTERPRET, **_sequential_launch())
+        launch_fitting(bwd.state_backward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_spans),
+                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, ends, dh, dd, ends, scale,
+                        Tp, H, HV, K, V, CHUNK, BK), settings, key,
+                       HAS_DFINAL=True, HAS_DH0=False, INTERPRET=_INTERPRET)
         return dh, dd, (dh0 if want_dh0 else None)
     dh0 = _buffer((plan.num_docs, HV, K, V), torch.float32, do.device) if want_dh0 else None
-    bwd.state_backward[(triton.cdiv(V, SBV), HV, plan.num_docs)](
-        q, k, w, gamma, do, dd_local, plan.doc_first, plan.doc_count, dfinal if dfinal is not None else dd,
-        dh, dd, dh0 if dh0 is not None else dd, scale, Tp, H, HV, K, V, CHUNK, BK, SBV, dfinal is not None,
-        want_dh0, _INTERPRET, **_sequential_launch())
+    launch_fitting(bwd.state_backward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_docs),
+                   (q, k, w, gamma, do, dd_local, plan.doc_first, plan.doc_count,
+                    dfinal if dfinal is not None else dd, dh, dd, dh0 if dh0 is not None else dd, scale, Tp, H, HV,
+                    K, V, CHUNK, BK), settings, key,
+                   HAS_DFINAL=dfinal is not None, HAS_DH0=want_dh0, INTERPRET=_INTERPRET)
     return dh, dd, dh0
 
 
@@ -214,10 +235,10 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         if sends:  # before the outputs: the next process's walk waits for this
             relay.send_state(final[-1:])
         del u
-        BK, BV = _blocks(K, V)
         o = _buffer(v.shape, v.dtype, v.device)
-        fwd.output_forward[(n, HV, triton.cdiv(V, BV))](q, k, h, delta, gamma, o, scale, Tp, H, HV, K, V,
-                                                         CHUNK, BK, BV)
+        launch_fitting(fwd.output_forward, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
+                       (q, k, h, delta, gamma, o, scale, Tp, H, HV, K, V, CHUNK, _key_block(K)),
+                       _parallel_settings(V, 4), _shape_key(q, v))
         kept = (w, h, delta) if TUNING["save_chunk_states"] else ()
         ctx.save_for_backward(q, k, v, beta, gamma, t_inv, h0, g_in, beta_in, A_log, dt_bias, rstd, *kept)
         ctx.plan, ctx.relay, ctx.scale, ctx.beta_activation = plan, relay, scale, beta_activation
@@ -229,7 +250,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         Tp, H, K = q.shape
         HV, V = v.shape[1], v.shape[2]
         n, G = Tp // CHUNK, HV // H
-        BK, BV = _blocks(K, V)
+        BK, key = _key_block(K), _shape_key(q, v)
         scale, relay, plan = ctx.scale, ctx.relay, ctx.plan
         do = do.contiguous()
         if kept:
@@ -239,8 +260,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             h, delta, _ = _walk(k, w, u, gamma, h0, plan, False)
             del u
         dd_local = _buffer(v.shape, v.dtype, v.device)
-        bwd.delta_grad_local[(n, HV, triton.cdiv(V, BV))](q, k, gamma, do, dd_local, scale, Tp, H, HV, K, V,
-                                                           CHUNK, BK, BV)
+        launch_fitting(bwd.delta_grad_local, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
+                       (q, k, gamma, do, dd_local, scale, Tp, H, HV, K, V, CHUNK, BK), _parallel_settings(V, 4), key)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         if relay is not None and relay.sends:  # everything before this ran while the gradient travelled
             dfinal = _with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
@@ -255,14 +276,16 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dk = _buffer((Tp, HV, K), torch.float32, v.device)
         dw = _buffer((Tp, HV, K), k.dtype, v.device)
         dgamma = _buffer((HV, Tp), torch.float32, v.device)
-        bwd.qkw_backward[(n, HV)](q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp,
-                                  H, HV, K, V, CHUNK, BK, BV, num_warps=TUNING["parallel_warps"])
+        launch_fitting(bwd.qkw_backward, lambda s: (n, HV),
+                       (q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H, HV, K, V, CHUNK, BK),
+                       _parallel_settings(V, TUNING["parallel_warps"]), key)
         del h, dh, delta
         dk_out = _buffer((Tp, HV, K), k.dtype, v.device) if G == 1 else dk
         dv = _buffer(v.shape, v.dtype, v.device)
         dbeta = _buffer((Tp, HV), torch.float32, v.device)
-        bwd.ut_backward[(n, HV)](k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K,
-                                 V, CHUNK, BK, BV, num_warps=TUNING["parallel_warps"])
+        launch_fitting(bwd.ut_backward, lambda s: (n, HV),
+                       (k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K, V, CHUNK, BK),
+                       _parallel_settings(V, TUNING["parallel_warps"]), key)
         dk = dk_out
         if G > 1:  # value heads sharing a q/k head add their gradients
             dq, dk = dq.view(Tp, H, G, K).sum(2), dk.view(Tp, H, G, K).sum(2)

@@ -80,19 +80,78 @@ def chunk_gram(k, beta, gamma, chunk, hv, Tp, H: tl.constexpr, HV: tl.constexpr,
 
 
 @triton.jit
-def unit_lower_inverse(a, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
-    """T = (I + A)^-1 for strictly lower triangular A (fp32).
+def _block_inverse(a):
+    """(I + A)^-1 of a strictly lower [16, 16] block A, by forward substitution one row at a time:
+    row r of T is e_r - A[r, :] T, from rows already final. Exact up to rounding whatever the size of
+    A's entries; no intermediate is larger than T itself."""
+    i = tl.arange(0, 16)
+    t = tl.where(i[:, None] == i[None, :], 1., 0.)
+    for r in tl.static_range(1, 16):
+        a_row = tl.sum(tl.where(i[:, None] == r, a, 0.), axis=0)
+        t = t - tl.where(i[:, None] == r, tl.sum(a_row[:, None] * t, axis=0)[None, :], 0.)
+    return t
 
-    N = -A is nilpotent (N^C = 0), so (I - N)^-1 = sum_{m<C} N^m = (I + N)(I + N^2)(I + N^4)...
-    (I + N^{C/2}): log2(C) squarings instead of a C-step substitution.
-    """
-    i = tl.arange(0, C)
-    power = -a
-    inverse = tl.where(i[:, None] == i[None, :], 1., 0.) + power
-    for _ in tl.static_range(LOG2C - 1):
-        power = tl.dot(power, power, input_precision=PREC)
-        inverse = inverse + tl.dot(inverse, power, input_precision=PREC)
-    return inverse
+
+@triton.jit
+def _gram_block(k, beta, gamma, row0, i: tl.constexpr, j: tl.constexpr, hv, Tp, H: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Block (i, j) of A = strictLower(diag(beta) (K K^T o Gamma)): rows 16i.., columns 16j.. of a chunk."""
+    ri, rj = row0 + i * 16, row0 + j * 16
+    k_i = load_rows(k, ri, hv // (HV // H), H, K, 16, BK)
+    k_j = load_rows(k, rj, hv // (HV // H), H, K, 16, BK)
+    b_i = tl.load(beta + (ri + tl.arange(0, 16)) * HV + hv).to(tl.float32)
+    gam_i = tl.load(gamma + hv * Tp + ri + tl.arange(0, 16))
+    if i == j:
+        decay = decay_matrix(gam_i, 16, True)
+    else:  # every row of block i comes after every column of block j: the exponent is <= 0
+        gam_j = tl.load(gamma + hv * Tp + rj + tl.arange(0, 16))
+        decay = tl.exp(gam_i[:, None] - gam_j[None, :])
+    return tl.dot(k_i, tl.trans(k_j)) * decay * b_i[:, None]
+
+
+@triton.jit
+def unit_lower_inverse(k, beta, gamma, t_inv, row0, hv, Tp, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + A)^-1 of one chunk (C = 64: 4 x 4 blocks of 16), stored to t_inv [Tp, HV, C].
+
+    Blocked forward substitution: the diagonal blocks by rows (_block_inverse), then block row i from
+    T_ij = -T_ii sum_{j <= m < i} A_im T_mj. Every product is of bounded matrices. A power series in
+    A (e.g. (I - A)(I + A^2)(I + A^4)...) is not: when keys in a chunk are alike (a repeated token)
+    and decay is weak, A's rows approach all-ones, the terms of A^m grow like binomial coefficients
+    (~1e17 at C = 64) and cancel, and fp32 or TF32 rounding of them leaves garbage or inf in T."""
+    tl.static_assert(C == 64, "the UT inverse is written for chunks of 4 x 16 tokens")
+    a10 = _gram_block(k, beta, gamma, row0, 1, 0, hv, Tp, H, HV, K, BK)
+    a20 = _gram_block(k, beta, gamma, row0, 2, 0, hv, Tp, H, HV, K, BK)
+    a21 = _gram_block(k, beta, gamma, row0, 2, 1, hv, Tp, H, HV, K, BK)
+    a30 = _gram_block(k, beta, gamma, row0, 3, 0, hv, Tp, H, HV, K, BK)
+    a31 = _gram_block(k, beta, gamma, row0, 3, 1, hv, Tp, H, HV, K, BK)
+    a32 = _gram_block(k, beta, gamma, row0, 3, 2, hv, Tp, H, HV, K, BK)
+    t00 = _block_inverse(_gram_block(k, beta, gamma, row0, 0, 0, hv, Tp, H, HV, K, BK))
+    t11 = _block_inverse(_gram_block(k, beta, gamma, row0, 1, 1, hv, Tp, H, HV, K, BK))
+    t22 = _block_inverse(_gram_block(k, beta, gamma, row0, 2, 2, hv, Tp, H, HV, K, BK))
+    t33 = _block_inverse(_gram_block(k, beta, gamma, row0, 3, 3, hv, Tp, H, HV, K, BK))
+    t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision=PREC), input_precision=PREC)
+    t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision=PREC), input_precision=PREC)
+    t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision=PREC) + tl.dot(a21, t10, input_precision=PREC),
+                  input_precision=PREC)
+    t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision=PREC), input_precision=PREC)
+    t31 = -tl.dot(t33, tl.dot(a31, t11, input_precision=PREC) + tl.dot(a32, t21, input_precision=PREC),
+                  input_precision=PREC)
+    t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=PREC) + tl.dot(a31, t10, input_precision=PREC)
+                  + tl.dot(a32, t20, input_precision=PREC), input_precision=PREC)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_block_row(t_inv, t00, zero, zero, zero, row0, hv, HV, C)
+    _store_block_row(t_inv, t10, t11, zero, zero, row0 + 16, hv, HV, C)
+    _store_block_row(t_inv, t20, t21, t22, zero, row0 + 32, hv, HV, C)
+    _store_block_row(t_inv, t30, t31, t32, t33, row0 + 48, hv, HV, C)
+
+
+@triton.jit
+def _store_block_row(t_inv, b0, b1, b2, b3, row0, hv, HV: tl.constexpr, C: tl.constexpr):
+    store_rows(t_inv, b0, row0, hv, HV, C, 16, 16, 0)
+    store_rows(t_inv, b1, row0, hv, HV, C, 16, 16, 16)
+    store_rows(t_inv, b2, row0, hv, HV, C, 16, 16, 32)
+    store_rows(t_inv, b3, row0, hv, HV, C, 16, 16, 48)
 
 
 @triton.jit

@@ -14,26 +14,24 @@
 import triton
 import triton.language as tl
 
-from .common import (chunk_gram, decay_matrix, identity_columns, load_gamma, load_rows, load_state,
+from .common import (decay_matrix, identity_columns, load_gamma, load_rows, load_state,
                      load_value_columns, store_rows, store_state, store_summary, unit_lower_inverse)
 
 
 @triton.jit
 def ut_forward(k, v, beta, gamma, t_inv, w, u, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOG2C: tl.constexpr,
-               PREC: tl.constexpr, COMPUTE_T: tl.constexpr):
+               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+               COMPUTE_T: tl.constexpr):
     """With COMPUTE_T the inverse is computed and stored in `t_inv` [Tp, HV, C], else read from it."""
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
     if COMPUTE_T:
-        kk, b, gam, _, a = chunk_gram(k, beta, gamma, chunk, hv, Tp, H, HV, K, C, BK)
-        t_in = unit_lower_inverse(a, C, LOG2C, PREC).to(kk.dtype)
-        store_rows(t_inv, t_in, row0, hv, HV, C, C, C)
-    else:
-        kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
-        b = tl.load(beta + (row0 + tl.arange(0, C)) * HV + hv).to(tl.float32)
-        gam, _ = load_gamma(gamma, row0, hv, Tp, C)
-        t_in = load_rows(t_inv, row0, hv, HV, C, C, C).to(kk.dtype)
+        unit_lower_inverse(k, beta, gamma, t_inv, row0, hv, Tp, H, HV, K, C, BK, PREC)
+        tl.debug_barrier()  # T is read back below as one tile, by other threads than wrote each block
+    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    b = tl.load(beta + (row0 + tl.arange(0, C)) * HV + hv).to(tl.float32)
+    gam, _ = load_gamma(gamma, row0, hv, Tp, C)
+    t_in = load_rows(t_inv, row0, hv, HV, C, C, C).to(kk.dtype)
     key_scaled = (kk * (b * tl.exp(gam))[:, None]).to(kk.dtype)
     store_rows(w, tl.dot(t_in, key_scaled), row0, hv, HV, K, C, BK)
     for col0 in tl.static_range(0, V, BV):

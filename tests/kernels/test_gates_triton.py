@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from tests.seeds import generator
+
 from .helpers import device, rel_err  # skips the module without triton
 
 gates = importlib.import_module("gdn_kernels.gated_delta_rule.gates")  # after helpers: imports triton
@@ -51,7 +53,7 @@ def reference(g, beta, decay_params, beta_activation):
 
 
 def _inputs(Tp, dtype, with_params, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     if with_params:  # raw logits a; dt_bias = softplus^-1(dt), dt in [1e-3, 0.1] as in the model
         g = torch.randn(Tp, HV, generator=gen) * 2
         dt = torch.exp(torch.rand(HV, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))

@@ -6,6 +6,7 @@ import torch
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.model import HybridLM
 from tests.kernels.helpers import gpu_only, rel_err
+from tests.seeds import seed_torch
 
 
 @gpu_only
@@ -14,7 +15,7 @@ def test_model_with_fused_kernels_matches_float64_torch_paths():
     config = ModelConfig(vocab_size=512, hidden_size=256, n_layers=4, layer_pattern="GSGA", gdn_num_heads=4,
                          gdn_head_dim=64, attn_num_heads=4, window_size=128, intermediate_size=512,
                          fused_linear_cross_entropy=True, attn_impl="sdpa")  # flex has no float64
-    torch.manual_seed(0)
+    seed_torch(0)
     model = HybridLM(config).cuda()
     reference = HybridLM(config).cuda().double()
     reference.load_state_dict(model.state_dict())

@@ -13,6 +13,7 @@ from tests.kernels.helpers import device, gpu_only, rel_err
 from gdn_kernels.norms import triton_l2_normalize, triton_rms_norm  # after helpers skips without triton
 from gdn_parallel.model.norm import GatedRMSNorm, rms_norm
 from gdn_parallel.ops.gated_delta_rule import l2_normalize
+from tests.seeds import generator
 
 EPS = 1e-6
 
@@ -41,7 +42,7 @@ def _leaf(t):
 
 
 def _rms_inputs(shape, dtype, gated, weight_dtype=torch.float32, dev=device, seed=0):
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    gen = generator(seed, dev)
     x = torch.randn(shape, generator=gen, device=dev).to(dtype)
     x[(0,) * (len(shape) - 1)] = 0  # an all-zero row: rstd = rsqrt(eps), still finite
     w = (1 + 0.5 * torch.randn(shape[-1], generator=gen, device=dev)).to(weight_dtype)
@@ -105,7 +106,7 @@ def test_rms_norm_empty():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("head_dim", [16, 100, 128])
 def test_l2_normalize(poisoned, dtype, tol, head_dim):
-    gen = torch.Generator(device=device).manual_seed(1)
+    gen = generator(1, device)
     x = torch.randn(2, 9, 3, head_dim, generator=gen, device=device)
     x[0, 0, 0] = 0
     dy = torch.randn(x.shape, generator=gen, device=device)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gdn_parallel.ops.short_conv import causal_conv1d
+from tests.seeds import generator
 
 from .helpers import device, gpu_only, rel_err  # skips the module without triton
 
@@ -26,7 +27,7 @@ CASES = [  # (B, T, D, W, cu_seqlens, bias, prefix, activation)
 
 
 def _inputs(B, T, D, W, with_bias, with_prefix, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype).requires_grad_()
     x, w = mk(B, T, D), mk(D, W)
     return x, w, mk(D) if with_bias else None, mk(B, W - 1, D) if with_prefix else None
@@ -42,7 +43,7 @@ def _compare(case, dtype, tol, seed=0):
     B, T, D, W, cu, with_bias, with_prefix, activation = case
     cu = None if cu is None else torch.tensor(cu, device=device)
     x, w, b, p = _inputs(B, T, D, W, with_bias, with_prefix, dtype, seed)
-    dy = torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    dy = torch.randn(B, T, D, generator=generator(seed + 1)).to(device, dtype)
     got = _run("triton", x, w, b, p, activation, cu, dy)
     # reference: the torch path in fp32 on the same (rounded) inputs
     ref_in = [None if t is None else t.detach().float().requires_grad_() for t in (x, w, b, p)]

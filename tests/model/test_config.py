@@ -1,12 +1,16 @@
 """Config: YAML round trip, overrides, validation naming the field."""
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from gdn_parallel.config import Config, ConfigError
+from gdn_parallel.config import Config, ConfigError, ModelConfig, TrainConfig
+from gdn_parallel.ops.triton_dispatch import kernel_module
 from tools.count_params import count_parameters
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = CONFIGS / "tiny-cpu.yaml"
 
 
 def test_yaml_round_trip(tmp_path):
@@ -42,3 +46,176 @@ def test_unknown_yaml_field_and_missing_file(tmp_path):
 def test_paper_scale_configs_match_their_names(name, billions):
     total = count_parameters(str(CONFIGS / f"{name}.yaml"))["total"]
     assert abs(total / 1e9 - billions) / billions < 0.05, total
+
+
+def test_every_config_file_and_the_defaults_validate():
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        Config.from_yaml(path)
+    Config().validate()
+
+
+# (overrides on configs/tiny-cpu.yaml, the field the error must name). At least one row per field of
+# every section (test_bad_inputs_cover_every_field), plus the cross-field rules.
+BAD_INPUTS = [
+    # model
+    ("model.vocab_size=0", "model.vocab_size"),
+    ("model.vocab_size=100", "model.vocab_size"),             # fewer ids than the byte tokens
+    ("model.hidden_size=0", "model.hidden_size"),
+    ("model.hidden_size=1.5", "model.hidden_size"),
+    ("model.n_layers=0", "model.n_layers"),
+    ("model.layer_pattern=GX", "model.layer_pattern"),
+    ("model.layer_pattern=''", "model.layer_pattern"),
+    ("model.layer_pattern=GSG", "model.layer_pattern"),       # does not tile 4 layers
+    ("model.gdn_num_heads=0", "model.gdn_num_heads"),
+    ("model.gdn_num_v_heads=0", "model.gdn_num_v_heads"),
+    ("model.gdn_num_v_heads=3", "model.gdn_num_v_heads"),
+    ("model.gdn_head_dim=0", "model.gdn_head_dim"),
+    ("model.gdn_head_dim=512", "model.gdn_head_dim"),
+    ("model.gdn_expand_v=-1", "model.gdn_expand_v"),
+    ("model.gdn_expand_v=0", "model.gdn_expand_v"),
+    ("model.gdn_expand_v=0.01", "model.gdn_expand_v"),        # a value head of 0.32
+    ("model.gdn_expand_v=16", "model.gdn_expand_v"),          # 512 > the kernels' 256
+    ("model.gdn_use_gate=2", "model.gdn_use_gate"),
+    ("model.gdn_allow_neg_eigval=maybe", "model.gdn_allow_neg_eigval"),
+    ("model.gdn_chunk_size=48", "model.gdn_chunk_size"),
+    ("model.gdn_chunk_size=0", "model.gdn_chunk_size"),
+    ("model.gdn_impl=fast", "model.gdn_impl"),
+    ("model.conv_size=0", "model.conv_size"),
+    ("model.conv_size=1000", "model.conv_size"),
+    ("model.conv_bias=2", "model.conv_bias"),
+    ("model.attn_num_heads=0", "model.attn_num_heads"),
+    ("model.attn_num_heads=3", "model.attn_num_heads"),       # 128 is not divisible by 3
+    ("model.attn_num_kv_heads=0", "model.attn_num_kv_heads"),
+    ("model.attn_num_kv_heads=3", "model.attn_num_kv_heads"),
+    ("model.attn_head_dim=0", "model.attn_head_dim"),
+    ("model.attn_head_dim=7", "model.attn_head_dim"),         # odd: no RoPE pairs
+    ("model.window_size=0", "model.window_size"),
+    ("model.rope_theta=0", "model.rope_theta"),
+    ("model.rope_theta=-1", "model.rope_theta"),
+    ("model.attn_output_gate=2", "model.attn_output_gate"),
+    ("model.attn_qkv_bias=2", "model.attn_qkv_bias"),
+    ("model.attn_impl=fast", "model.attn_impl"),
+    ("model.hidden_ratio=0", "model.hidden_ratio"),
+    ("model.hidden_ratio=0.001", "model.hidden_ratio"),       # an MLP width of 0
+    ("model.intermediate_size=0", "model.intermediate_size"),
+    ("model.norm_eps=-1", "model.norm_eps"),
+    ("model.norm_eps=0", "model.norm_eps"),
+    ("model.tie_word_embeddings=2", "model.tie_word_embeddings"),
+    ("model.initializer_range=-1", "model.initializer_range"),
+    ("model.initializer_range=0", "model.initializer_range"),
+    ("model.fused_linear_cross_entropy=2", "model.fused_linear_cross_entropy"),
+    # data
+    ("data.source=''", "data.source"),
+    ("data.source=3", "data.source"),
+    ("data.val_fraction=1.0", "data.val_fraction"),
+    ("data.val_fraction=-0.1", "data.val_fraction"),
+    ("data.seed=1.5", "data.seed"),
+    (f"data.seed={2 ** 64}", "data.seed"),
+    # train
+    ("train.seq_len=1", "train.seq_len"),                     # no label token
+    (["train.seq_len=1", "parallel.cp=2"], "train.seq_len"),
+    ("train.seq_len=0", "train.seq_len"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.microbatch_size=-1", "train.microbatch_size"),
+    ("train.microbatch_size=3", "train.microbatch_size"),     # does not divide 4 sequences
+    ("train.steps=0", "train.steps"),
+    ("train.lr=0", "train.lr"),
+    ("train.lr=-1", "train.lr"),
+    ("train.lr=.nan", "train.lr"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio"),
+    ("train.warmup_steps=-1", "train.warmup_steps"),
+    ("train.warmup_steps=300", "train.warmup_steps"),         # more than the 200 steps
+    ("train.weight_decay=-5", "train.weight_decay"),
+    ("train.beta1=1.5", "train.beta1"),
+    ("train.beta1=1.0", "train.beta1"),
+    ("train.beta2=-0.1", "train.beta2"),
+    ("train.grad_clip=-1", "train.grad_clip"),
+    ("train.grad_clip=.inf", "train.grad_clip"),
+    (f"train.seed={2 ** 64}", "train.seed"),
+    ("train.log_every=0", "train.log_every"),
+    ("train.eval_every=-3", "train.eval_every"),
+    ("train.eval_batches=0", "train.eval_batches"),
+    ("train.device=gpu", "train.device"),
+    ("train.device=cuda:x", "train.device"),
+    ("train.dtype=fp8", "train.dtype"),
+    ("train.threads=-4", "train.threads"),
+    ("train.out_dir=3", "train.out_dir"),
+    ("train.peak_tflops=-1", "train.peak_tflops"),
+    ("train.activation_checkpointing=blocks", "train.activation_checkpointing"),
+    # parallel
+    ("parallel.tp=0", "parallel.tp"),
+    ("parallel.tp=3", "parallel.tp"),                         # 2 GDN heads are not divisible by 3
+    ("parallel.pp=0", "parallel.pp"),
+    (["parallel.pp=4", "train.microbatch_size=2"], "train.microbatch_size"),  # 2 micro-batches, 4 stages
+    (["parallel.pp=8", "train.microbatch_size=1", "train.batch_size=8"], "parallel.pp"),  # 4 layers
+    ("parallel.cp=0", "parallel.cp"),
+    ("parallel.cp=3", "parallel.cp"),                         # 1024 tokens do not split in 3
+    ("parallel.dp=0", "parallel.dp"),
+    ("parallel.sequence_parallel=2", "parallel.sequence_parallel"),
+    ("parallel.pp_schedule=gpipe", "parallel.pp_schedule"),
+    ("parallel.microbatches=2", "parallel.microbatches is gone"),  # replaced by train.microbatch_size
+    ("parallel.virtual_stages=0", "parallel.virtual_stages"),
+    ("parallel.virtual_stages=2", "parallel.virtual_stages"),  # 1f1b has one stage per rank
+    ("parallel.data_parallel=zero", "parallel.data_parallel"),
+    ("parallel.cp_algorithm=ring", "parallel.cp_algorithm"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_INPUTS, ids=[str(o) for o, _ in BAD_INPUTS])
+def test_bad_input_fails_at_load_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        Config.from_yaml(TINY, [overrides] if isinstance(overrides, str) else overrides)
+    assert field in str(info.value)
+
+
+def test_bad_inputs_cover_every_field():
+    named = {field for _, field in BAD_INPUTS}
+    every = {f"{section}.{name}" for section, values in Config().to_dict().items() for name in values}
+    assert every - named == set()
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  hidden_size: 64\n  n_layers: [1\ntrain:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml.* line 4"):
+        Config.from_yaml(path)
+    with pytest.raises(ConfigError, match="train.lr"):
+        Config.from_yaml(TINY, ["train.lr=[1"])
+
+
+def test_out_dir_must_be_a_directory_that_can_be_written(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for bad in (afile, afile / "run"):
+        with pytest.raises(ConfigError, match="train.out_dir"):
+            TrainConfig(out_dir=str(bad)).validate()
+    TrainConfig(out_dir=str(tmp_path / "new" / "run")).validate()
+    assert not (tmp_path / "new").exists()  # validation creates nothing
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="train.out_dir"):
+            TrainConfig(out_dir=str(locked / "run")).validate()
+
+
+def test_configs_built_in_code_are_held_to_the_same_rules():
+    with pytest.raises(ConfigError, match="model.gdn_use_gate"):
+        ModelConfig(gdn_use_gate="yes").validate()
+    with pytest.raises(ConfigError, match="model.norm_eps"):
+        ModelConfig(norm_eps=-1).validate()
+
+
+def test_triton_gdn_on_cpu_fails_at_load(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run it on CPU
+    with pytest.raises(ConfigError, match="model.gdn_impl"):
+        Config.from_yaml(TINY, ["model.gdn_impl=triton", "train.device=cpu"])
+
+
+@pytest.mark.skipif(kernel_module("gated_delta_rule") is None, reason="needs triton")
+def test_triton_chunk_size_is_the_kernels(monkeypatch):
+    with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
+        Config.from_yaml(TINY, ["model.gdn_impl=triton", "model.gdn_chunk_size=32"])
+    Config.from_yaml(TINY, ["model.gdn_chunk_size=32"])  # auto runs the PyTorch chunks on CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where auto picks the kernels
+    with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
+        Config.from_yaml(TINY, ["model.gdn_chunk_size=32"])

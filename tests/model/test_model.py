@@ -4,6 +4,7 @@ import torch
 
 from gdn_parallel.config import ConfigError, ModelConfig
 from gdn_parallel.model import HybridLM
+from tests.seeds import seed_torch
 
 
 def tiny(**overrides):
@@ -14,7 +15,7 @@ def tiny(**overrides):
 
 
 def test_forward_backward_every_parameter_gets_a_gradient():
-    torch.manual_seed(0)
+    seed_torch(0)
     model = HybridLM(tiny()).double()
     ids = torch.randint(0, 64, (2, 21))
     out = model(ids, labels=ids)
@@ -31,7 +32,7 @@ def test_logits_without_labels():
 
 
 def test_packed_documents_do_not_see_each_other():
-    torch.manual_seed(1)
+    seed_torch(1)
     model = HybridLM(tiny(gdn_num_v_heads=4)).double()
     cu = torch.tensor([0, 7, 8, 30])
     ids = torch.randint(0, 64, (1, 30))
@@ -42,7 +43,7 @@ def test_packed_documents_do_not_see_each_other():
 
 
 def test_packed_loss_is_the_mean_over_labelled_tokens():
-    torch.manual_seed(2)
+    seed_torch(2)
     model = HybridLM(tiny()).double()
     ids = torch.randint(0, 64, (1, 12))
     labels = ids.clone()
@@ -84,7 +85,7 @@ def test_flash_linear_attention_parameter_names_and_shapes():
 
 
 def test_gdn_initialisation_ranges():
-    torch.manual_seed(3)
+    seed_torch(3)
     config = tiny(layer_pattern="G", n_layers=1, gdn_num_heads=64, gdn_head_dim=4)
     attn = HybridLM(config).layers[0].attn
     A = attn.A_log.exp()
@@ -95,7 +96,7 @@ def test_gdn_initialisation_ranges():
 
 
 def test_negative_eigenvalues_double_beta():
-    torch.manual_seed(4)
+    seed_torch(4)
     model = HybridLM(tiny(layer_pattern="G", n_layers=1, gdn_allow_neg_eigval=True))
     assert model.layers[0].attn.allow_neg_eigval
     model(torch.randint(0, 64, (1, 9)), labels=torch.randint(0, 64, (1, 9))).loss.backward()

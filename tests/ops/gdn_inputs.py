@@ -2,10 +2,12 @@
 import torch
 import torch.nn.functional as F
 
+from tests.seeds import generator
+
 
 def gdn_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, seed=0, num_states=None, requires_grad=True):
     """q, k (unit norm), v, g (<= 0), beta in (0, 1), initial_state: fresh values for a seed."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=dtype)

@@ -4,6 +4,7 @@ import torch
 
 from gdn_parallel.ops.attention import attention, attention_reference, masked_attention
 from gdn_parallel.ops.rope import document_ids_from_cu_seqlens
+from tests.seeds import generator
 
 T = 19
 LAYOUTS = {  # name: (B, H, HKV, D, Dv, cu_seqlens)
@@ -15,7 +16,7 @@ LAYOUTS = {  # name: (B, H, HKV, D, Dv, cu_seqlens)
 
 def _qkv(layout, seed, dtype=torch.float64, grad=False):
     B, H, HKV, D, Dv, cu = LAYOUTS[layout]
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=dtype).requires_grad_(grad)
     cu = None if cu is None else torch.tensor(cu)
     return mk(B, T, H, D), mk(B, T, HKV, D), mk(B, T, HKV, Dv), cu
@@ -43,7 +44,7 @@ def test_window_one_is_identity_on_values_and_scale_is_used():
 
 def test_reference_is_plain_softmax_attention():
     """The oracle on one head without masks beyond causality, written out token by token."""
-    g = torch.Generator().manual_seed(4)
+    g = generator(4)
     q, k, v = (torch.randn(1, 6, 1, 3, generator=g, dtype=torch.float64) for _ in range(3))
     ref = attention_reference(q, k, v, window=4)
     for i in range(6):
@@ -58,7 +59,7 @@ def test_sdpa_gradients_match_reference(layout, window):
     q, k, v, cu = _qkv(layout, seed=11, grad=True)
     out = attention(q, k, v, window=window, cu_seqlens=cu, impl="sdpa")
     ref = attention_reference(q, k, v, window=window, cu_seqlens=cu)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(12), dtype=out.dtype)
+    dout = torch.randn(out.shape, generator=generator(12), dtype=out.dtype)
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     for name, a, b in zip("qkv", got, want):
@@ -91,7 +92,7 @@ def test_key_halo_equals_rows_of_whole_sequence(impl, window, start, halo, n):
 def test_unordered_keys_give_the_same_result():
     q, k, v, cu = _qkv("docs_gqa", seed=22)
     doc, index = document_ids_from_cu_seqlens(cu, T), torch.arange(T)
-    perm = torch.randperm(T, generator=torch.Generator().manual_seed(0))
+    perm = torch.randperm(T, generator=generator(0))
     out = masked_attention(q, k[:, perm], v[:, perm], q_index=index, k_index=index[perm], q_doc=doc,
                            k_doc=doc[perm], window=3)
     torch.testing.assert_close(out, attention_reference(q, k, v, window=3, cu_seqlens=cu))

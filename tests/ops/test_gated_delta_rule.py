@@ -4,6 +4,7 @@ import torch
 
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule, summarize_segment
 from tests.ops.gdn_inputs import gdn_inputs
+from tests.seeds import generator
 
 
 def run(impl, q, k, v, g, beta, h0, **kw):
@@ -13,7 +14,7 @@ def run(impl, q, k, v, g, beta, h0, **kw):
 
 def outputs_and_grads(impl, inputs, seed=1, **kw):
     o, ht = run(impl, *inputs, **kw)
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
     dht = torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), inputs)
@@ -89,7 +90,7 @@ def test_summary_is_the_affine_map_of_the_segment(cu):
     q, k, v, g, beta, _ = gdn_inputs(B, 100, 2, 4, 8, 6, seed=7, requires_grad=False)
     m, s_loc = summarize_segment(k, v, g, beta, cu_seqlens=cu, chunk_size=16)
     for trial in range(3):
-        s_in = torch.randn(N, 4, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(trial))
+        s_in = torch.randn(N, 4, 8, 6, dtype=torch.float64, generator=generator(trial))
         _, s_out = run("naive", q, k, v, g, beta, s_in, cu_seqlens=cu)
         assert (m @ s_in + s_loc - s_out).abs().max() < 1e-10
 
@@ -97,7 +98,7 @@ def test_summary_is_the_affine_map_of_the_segment(cu):
 def test_summary_gradients_match_naive_map():
     """M and S_loc are differentiable (the allgather CP algorithm backpropagates through them)."""
     q, k, v, g, beta, _ = gdn_inputs(1, 40, 1, 2, 4, 4, seed=9)
-    s_in = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    s_in = torch.randn(1, 2, 4, 4, dtype=torch.float64, generator=generator(10))
     m, s_loc = summarize_segment(k, v, g, beta, chunk_size=16)
     _, s_out = run("naive", q, k, v, g, beta, s_in)
     grads_a = torch.autograd.grad((m @ s_in + s_loc).sum(), (k, v, g, beta))

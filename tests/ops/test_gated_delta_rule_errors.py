@@ -6,6 +6,7 @@ import torch
 
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule, summarize_segment
 from tests.ops.gdn_inputs import gdn_inputs
+from tests.seeds import generator
 
 
 def base(B=1, T=8, H=2, HV=2, K=4, V=4):
@@ -122,7 +123,7 @@ def test_logits_with_activations_equal_activated_inputs():
     with decay_params, g holds logits and may be positive."""
     import torch.nn.functional as F
     q, k, v, _, _, h0 = base(T=20)
-    gen = torch.Generator().manual_seed(3)
+    gen = generator(3)
     a, b = torch.randn(1, 20, 2, generator=gen) + 1.0, torch.randn(1, 20, 2, generator=gen)
     A_log, dt_bias = torch.rand(2, generator=gen), torch.randn(2, generator=gen)
     got, _ = call(q * 3, k * 2, v, a, b, decay_params=(A_log, dt_bias), beta_activation="2sigmoid",

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from gdn_parallel.ops.rope import apply_rotary, document_ids_from_cu_seqlens, positions_from_cu_seqlens
+from tests.seeds import generator
 
 
 def test_positions_and_document_ids_reset_per_document():
@@ -33,7 +34,7 @@ def _rotary_complex(x, pos, theta):
 
 @pytest.mark.parametrize("theta", [10000.0, 500.0])
 def test_rotary_matches_complex_rotation(theta):
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     x = torch.randn(2, 7, 3, 8, generator=g, dtype=torch.float64)
     pos = torch.randint(0, 50, (2, 7), generator=g)
     out = apply_rotary(x, pos, theta)
@@ -42,7 +43,7 @@ def test_rotary_matches_complex_rotation(theta):
 
 
 def test_rotary_shared_positions_and_dtype():
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     x = torch.randn(2, 5, 2, 4, generator=g).to(torch.bfloat16)
     pos = torch.arange(5)
     out = apply_rotary(x, pos)
@@ -55,7 +56,7 @@ def test_rotary_shared_positions_and_dtype():
 
 
 def test_rotary_packed_documents_restart_phases():
-    g = torch.Generator().manual_seed(2)
+    g = generator(2)
     x = torch.randn(1, 6, 2, 4, generator=g)
     cu = torch.tensor([0, 2, 6])
     out = apply_rotary(x, positions_from_cu_seqlens(cu, 6))

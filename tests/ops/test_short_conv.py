@@ -4,10 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from gdn_parallel.ops.short_conv import causal_conv1d, causal_conv1d_naive
+from tests.seeds import generator
 
 
 def _inputs(B, T, D, W, seed, with_bias=True, with_prefix=False):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
     return (mk(B, T, D), mk(D, W), mk(D) if with_bias else None, mk(B, W - 1, D) if with_prefix else None)
 
@@ -32,7 +33,7 @@ def test_vectorised_matches_naive_with_gradients(W, activation, with_prefix, cas
     y = causal_conv1d(x, w, b, activation, cu, p)
     y_ref = causal_conv1d_naive(x, w, b, activation, cu, p)
     torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    dy = torch.randn(y.shape, generator=generator(7), dtype=torch.float64)
     grads = torch.autograd.grad(y, leaves, dy)
     grads_ref = torch.autograd.grad(y_ref, leaves, dy)
     for got, ref in zip(grads, grads_ref):

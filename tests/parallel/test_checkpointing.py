@@ -9,23 +9,28 @@ from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing
 from tests.parallel.batches import make_batch
 from tests.parallel.test_layouts import model_config
+from tests.seeds import seed_torch
 
 
-def test_blocks_are_recomputed_and_gradients_are_unchanged():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_blocks_are_recomputed_and_gradients_are_unchanged(mode):
+    """full recomputes whole blocks, selective the MLP branch only; the gradients are the same."""
+    seed_torch(0)
     plain = HybridLM(model_config()).double()
     wrapped = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(wrapped, "full") == len(wrapped.layers)
-    calls = []
+    assert apply_activation_checkpointing(wrapped, mode) == len(wrapped.layers)
+    mlp_calls, mixer_calls = [], []
     for block in wrapped.layers:
-        block.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        block.mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+        block.attn.register_forward_pre_hook(lambda *_: mixer_calls.append(1))
     batch = make_batch([0, 5, 19, 20, 40, 48], seed=3)
     losses = []
     for model in (plain, wrapped):
         out = model(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
         out.loss.backward()
         losses.append(out.loss.item())
-    assert len(calls) == 2 * len(wrapped.layers)          # forward + recompute
+    assert len(mlp_calls) == 2 * len(wrapped.layers)          # forward + recompute
+    assert len(mixer_calls) == (2 if mode == "full" else 1) * len(wrapped.layers)
     assert losses[0] == pytest.approx(losses[1], rel=1e-12)
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
@@ -64,7 +69,7 @@ def count_messages(rank, world, algorithm):
     dims = build_mesh(config, "cpu")
     seen, grads = [], []
     for mode in ("none", "full"):
-        torch.manual_seed(0)
+        seed_torch(0)
         model = parallelize(HybridLM(model_config()).double(), dims, config, activation_checkpointing=mode)
         counts.clear()
         model.train_step([make_batch([0, 5, 30, 48], seed=7)])

@@ -6,13 +6,9 @@ import torch.distributed as dist
 
 from gdn_parallel.ops.attention import attention
 from gdn_parallel.ops.short_conv import causal_conv1d
+from tests.compare import assert_close_set, is_degenerate, set_size
 from tests.parallel.launcher import run_workers
-
-
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+from tests.seeds import generator
 
 
 def summed(t):
@@ -22,7 +18,7 @@ def summed(t):
 
 
 def conv_case(rank, world, total, cu, width, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     D = 6
     x = torch.randn(1, total, D, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(D, width, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -41,14 +37,13 @@ def conv_case(rank, world, total, cu, width, seed):
     from gdn_parallel.parallel.context import wait_pending_sends
     wait_pending_sends()
     tag = f"conv cu={cu} width={width} rank={rank}"
-    assert rel_err(y_l, y[:, s:e]) < 1e-12, tag
-    assert rel_err(x_l.grad, gx[:, s:e]) < 1e-12, tag
-    assert rel_err(summed(w_l.grad), gw) < 1e-12, tag
-    assert rel_err(summed(b_l.grad), gb) < 1e-12, tag
+    assert_close_set({"y": y_l}, {"y": y[:, s:e]}, 1e-12, tag)
+    assert_close_set({"dx": x_l.grad, "dw": summed(w_l.grad), "db": summed(b_l.grad)},
+                     {"dx": gx[:, s:e], "dw": gw, "db": gb}, 1e-12, tag)
 
 
 def attention_case(rank, world, total, cu, window, seed, H=4, HKV=2):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     q = torch.randn(1, total, H, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, total, HKV, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, total, HKV, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -65,9 +60,15 @@ def attention_case(rank, world, total, cu, window, seed, H=4, HKV=2):
     from gdn_parallel.parallel.context import wait_pending_sends
     wait_pending_sends()
     tag = f"attention cu={cu} window={window} rank={rank}"
-    assert rel_err(o_l, o[:, s:e]) < 1e-12, tag
-    for t, g in zip(local, grads):
-        assert rel_err(t.grad, g[:, s:e]) < 1e-12, tag
+    assert_close_set({"o": o_l}, {"o": o[:, s:e]}, 1e-12, tag)
+    names = ("dq", "dk", "dv")
+    expected = {name: g[:, s:e] for name, g in zip(names, grads)}
+    if window == 1:
+        # The output is v itself: dq and dk are zero in exact arithmetic, their references rounding
+        # noise, so the CP ones are checked as near-zeros against the size of all three gradients.
+        scale = set_size(expected.values())
+        assert is_degenerate(expected["dq"], scale) and is_degenerate(expected["dk"], scale), tag
+    assert_close_set({name: t.grad for name, t in zip(names, local)}, expected, 1e-12, tag)
 
 
 def layer_cases(rank, world):
@@ -98,7 +99,7 @@ def conv_impl_case(rank, world):
     sc._triton_kernel = lambda: lambda *args: calls.append(1) or kernel(*args)  # this process only
     # shards of 8 tokens with halos from one rank, then shards of 2 tokens (kernel 4: two hops)
     for total, cu, seed in ((8 * world, [0, 3, 9, 10, 8 * world], 1), (2 * world, [0, 1, 2 * world], 2)):
-        gen = torch.Generator().manual_seed(seed)
+        gen = generator(seed)
         D, L = 6, total // world
         x = torch.randn(1, L * world, D, generator=gen)[:, rank * L:(rank + 1) * L]
         w, b = torch.randn(D, 4, generator=gen), torch.randn(D, generator=gen)
@@ -112,8 +113,11 @@ def conv_impl_case(rank, world):
             wait_pending_sends()
             assert (len(calls) > before) == (impl == "triton"), (impl, total, rank)
             results[impl] = [y.detach(), leaves[0].grad, summed(leaves[1].grad), summed(leaves[2].grad)]
-        for name, got, want in zip(("y", "dx", "dw", "db"), results["triton"], results["torch"]):
-            assert rel_err(got, want) < 1e-5, f"{name} total={total} rank={rank}"
+        names = ("y", "dx", "dw", "db")
+        got, want = (dict(zip(names, results[impl])) for impl in ("triton", "torch"))
+        tag = f"total={total} rank={rank}"
+        assert_close_set({"y": got.pop("y")}, {"y": want.pop("y")}, 1e-5, tag)
+        assert_close_set(got, want, 1e-5, tag)
     return True
 
 

@@ -17,7 +17,9 @@ from gdn_parallel.parallel.cp.batch import all_reduce_gradients, shard_batch
 from gdn_parallel.parallel.pipeline import (PipelineRunner, StageModule, build_pipeline,
                                             stage_costs, stage_ids_for_rank, stage_layer_ranges)
 from gdn_parallel.parallel.tensor import apply_tensor_parallel, full_tensor, reduce_tp_partial_grads
+from tests.compare import assert_close_set, rel_err
 from tests.parallel.launcher import run_workers
+from tests.seeds import generator, seed_torch
 
 TOTAL = 32   # tokens of one microbatch row
 
@@ -30,7 +32,7 @@ LAYOUTS = [
 
 
 def make_batch(cu, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     ids = torch.randint(0, 64, (1, TOTAL), generator=gen)
     labels = torch.full_like(ids, -100)
     for s, e in itertools.pairwise(cu):
@@ -47,10 +49,6 @@ def model_config(tie=False, fused=False):
                        fused_linear_cross_entropy=fused)
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def reference_step(model, batches):
     """Single process: the global-mean loss over all microbatches, one backward."""
     total = sum(int((b.labels != -100).sum()) for b in batches)
@@ -60,13 +58,12 @@ def reference_step(model, batches):
     return loss.detach()
 
 
-def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=False, fused=False,
+def train_equal(pp_rank, parallel, n_mb, pp_group=None, cp_group=None, cp_rank=0, tie=False, fused=False,
                 tp_group=None):
     """fused: the pipelined model uses the fused linear cross-entropy, the reference the default
     criterion. tp_group: tensor parallelism inside the stages (gradients and parameters compared
     all-gathered to full shape)."""
-    n_mb = parallel.microbatches
-    torch.manual_seed(0)
+    seed_torch(0)
     reference = HybridLM(model_config(tie)).double()
     model = copy.deepcopy(reference)
     if fused:
@@ -101,21 +98,22 @@ def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=
             all_reduce_gradients(model, cp_group)
         if tp_group is not None:
             reduce_tp_partial_grads(model, tp_group)
-        assert rel_err(loss, ref_loss) < 1e-12, f"loss step={step} {tag}"
+        assert rel_err(loss, ref_loss) < 1e-12, f"loss step={step} {tag}"   # a loss near log(vocab)
+        held = []   # (name, reference parameter, parameter) of this rank's stages
         for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
             if name in local:
                 assert p.grad is not None, f"{name} has no grad, {tag}"
-                assert rel_err(full(p.grad, p), p_ref.grad) < 1e-9, f"{name} grad step={step}, {tag}"
+                held.append((name, p_ref, p))
             else:
                 assert p.grad is None, f"{name} is not on this rank but got a gradient, {tag}"
+        assert_close_set({name: full(p.grad, p) for name, _, p in held},
+                         {name: p_ref.grad for name, p_ref, _ in held}, 1e-9, f"grads step={step}, {tag}")
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
-        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
-            if name in local:
-                got = full(p.detach(), p)
-                assert rel_err(got, p_ref.detach()) < 1e-9, f"{name} after step={step}, {tag}"
+        assert_close_set({name: full(p.detach(), p) for name, _, p in held},
+                         {name: p_ref.detach() for name, p_ref, _ in held}, 1e-9, f"after step={step}, {tag}")
     # Forward only (evaluation) on the trained parameters.
     with torch.no_grad():
         ref_loss = sum(reference(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens).loss_sum
@@ -131,15 +129,14 @@ def train_equal(pp_rank, parallel, pp_group=None, cp_group=None, cp_rank=0, tie=
 def pp_cases(rank, world):
     results = {}
     for schedule, virtual in (("1f1b", 1), ("interleaved", 2)):
-        parallel = ParallelConfig(pp=world, pp_schedule=schedule, virtual_stages=virtual,
-                                  microbatches=len(LAYOUTS[0]))
-        results[schedule] = train_equal(rank, parallel)
+        parallel = ParallelConfig(pp=world, pp_schedule=schedule, virtual_stages=virtual)
+        results[schedule] = train_equal(rank, parallel, len(LAYOUTS[0]))
     # Tied embeddings: the weight lives on the first and the last stage (two ranks).
-    parallel = ParallelConfig(pp=world, pp_schedule="1f1b", microbatches=len(LAYOUTS[0]))
-    results["tied"] = train_equal(rank, parallel, tie=True)
+    parallel = ParallelConfig(pp=world, pp_schedule="1f1b")
+    results["tied"] = train_equal(rank, parallel, len(LAYOUTS[0]), tie=True)
     # The fused linear cross-entropy on the last stage (tied: its weight is the embedding's).
     for tie in (False, True):
-        results[f"fused tie={tie}"] = train_equal(rank, parallel, tie=tie, fused=True)
+        results[f"fused tie={tie}"] = train_equal(rank, parallel, len(LAYOUTS[0]), tie=tie, fused=True)
     return results
 
 
@@ -163,12 +160,11 @@ def test_pipeline_pp2_1f1b_and_interleaved_match_single_process():
 def pp_cp_case(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
     pp_group, cp_group = mesh.get_group("pp"), mesh.get_group("cp")
-    parallel = ParallelConfig(pp=2, cp=2, pp_schedule="1f1b", microbatches=2)
-    train_equal(mesh.get_local_rank("pp"), parallel, pp_group=pp_group, cp_group=cp_group,
+    parallel = ParallelConfig(pp=2, cp=2, pp_schedule="1f1b")
+    train_equal(mesh.get_local_rank("pp"), parallel, 2, pp_group=pp_group, cp_group=cp_group,
                 cp_rank=mesh.get_local_rank("cp"))
-    parallel = ParallelConfig(pp=2, cp=2, pp_schedule="interleaved", virtual_stages=2,
-                              microbatches=len(LAYOUTS[0]))
-    train_equal(mesh.get_local_rank("pp"), parallel, pp_group=pp_group, cp_group=cp_group,
+    parallel = ParallelConfig(pp=2, cp=2, pp_schedule="interleaved", virtual_stages=2)
+    train_equal(mesh.get_local_rank("pp"), parallel, len(LAYOUTS[0]), pp_group=pp_group, cp_group=cp_group,
                 cp_rank=mesh.get_local_rank("cp"))
     return True
 
@@ -179,8 +175,8 @@ def test_pipeline_pp2_cp2_matches_single_process():
 
 def pp_tp_fused_case(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    parallel = ParallelConfig(pp=2, tp=2, pp_schedule="1f1b", microbatches=2)
-    train_equal(mesh.get_local_rank("pp"), parallel, pp_group=mesh.get_group("pp"), fused=True,
+    parallel = ParallelConfig(pp=2, tp=2, pp_schedule="1f1b")
+    train_equal(mesh.get_local_rank("pp"), parallel, 2, pp_group=mesh.get_group("pp"), fused=True,
                 tp_group=mesh.get_group("tp"))
     return True
 
@@ -192,16 +188,16 @@ def test_pipeline_pp2_tp2_fused_linear_cross_entropy_matches_single_process():
 
 # ------------------------------------------------------------------------- no processes
 def test_pp1_runner_is_gradient_accumulation():
-    torch.manual_seed(0)
+    seed_torch(0)
     reference = HybridLM(model_config()).double()
     model = copy.deepcopy(reference)
-    runner = PipelineRunner(model, ParallelConfig(microbatches=4), "cpu")
+    runner = PipelineRunner(model, ParallelConfig(), "cpu")
     batches = [make_batch(cu, seed=i) for i, cu in enumerate(LAYOUTS[0])]
     ref_loss = reference_step(reference, batches)
     loss = runner.step(batches, sum(int((b.labels != -100).sum()) for b in batches))
-    assert rel_err(loss, ref_loss) < 1e-12
-    for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
-        assert rel_err(p.grad, p_ref.grad) < 1e-9, name
+    assert rel_err(loss, ref_loss) < 1e-12   # a loss near log(vocab)
+    assert_close_set({name: p.grad for name, p in model.named_parameters()},
+                     {name: p.grad for name, p in reference.named_parameters()}, 1e-9, "grads")
 
 
 def test_stage_module_needs_its_microbatch():

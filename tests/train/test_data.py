@@ -6,10 +6,11 @@ from gdn_parallel.config import DataConfig
 from gdn_parallel.data.corpus import load_corpus, split_fraction
 from gdn_parallel.data.packing import (IGNORE_INDEX, PackedBatch, document_stream, num_label_tokens,
                                        pack_pieces, packed_batches)
+from tests.seeds import generator
 
 
 def random_docs(n=23, seed=0, max_len=300):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     lengths = torch.randint(1, max_len, (n,), generator=g).tolist()
     lengths[3] = 1  # a one-token document
     lengths[5] = 5 * max_len  # longer than a row and than a batch

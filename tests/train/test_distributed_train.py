@@ -30,7 +30,7 @@ def single_process_losses():
 
 
 @pytest.mark.parametrize("overrides", [["parallel.cp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                       ["parallel.pp=2", "parallel.microbatches=2"]])
+                                       ["parallel.pp=2", "train.microbatch_size=1"]])
 def test_torchrun_layout_reproduces_single_process_losses(overrides, single_process_losses):
     losses = torchrun_losses(overrides)
     assert len(losses) == 3

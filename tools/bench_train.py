@@ -1,0 +1,225 @@
+"""Training-step benchmark on one GPU: our HybridLM against fla-core's GatedDeltaNetForCausalLM, one run.
+
+    python tools/bench_train.py --configs configs/gdn-1.3b.yaml --batches 2,8 --micro 2 --out $OUT/bench_train.json
+
+For each config and batch size: one optimizer step = batch / micro sequences per forward/backward
+(gradient accumulation), bf16 autocast over fp32 weights, fused AdamW, random tokens, one document
+per row. Reported: step time (median of --iters after --warmup, synchronised), tokens/s, MFU (our FLOP
+formula, HybridLM.flops_per_token: 6 per matmul parameter + the token mixers, over the device's
+dense bf16 peak) and peak memory (torch.cuda.max_memory_allocated over the timed steps, weights and
+optimizer state included). The peer row is fla-core's model with the same shapes and its fused
+linear cross-entropy (pure GDN configs only: its attention layers need flash-attn); it is skipped
+when fla-core is not importable. Out-of-memory is reported as such.
+
+--account: one forward of our model per config at --account-batch sequences, with every tensor saved
+for the backward counted once (by storage) and charged to the module that saved it: where the
+activation memory goes, per block component. Printed as a table and kept in the JSON.
+Variants of our model: --ac none,selective,full (activation checkpointing).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gdn_parallel.config import Config  # noqa: E402
+from gdn_parallel.model import HybridLM  # noqa: E402
+from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
+from gdn_parallel.train.progress import peak_flops_per_s  # noqa: E402
+from tools.bench_common import free_memory, is_oom, timed_ms  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="configs/gdn-1.3b.yaml")
+    p.add_argument("--batches", default="2", help="comma-separated optimizer batch sizes (sequences)")
+    p.add_argument("--micro", type=int, default=0, help="sequences per forward/backward (0: the whole batch)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the config's)")
+    p.add_argument("--ac", default="none", help="comma-separated activation checkpointing modes of ours")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--account", action="store_true", help="per-component account of saved activations")
+    p.add_argument("--account-batch", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_train.json"))
+    return p.parse_args(argv)
+
+
+def random_rows(batch: int, seq_len: int, vocab: int, device, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq_len + 1), device=device, generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def ours(config: Config, ac: str, device):
+    model = HybridLM(config.model).to(device)
+    apply_activation_checkpointing(model, ac)
+
+    def loss_sum(ids, labels):
+        rows, T = ids.shape
+        cu = torch.arange(0, (rows + 1) * T, T, device=device, dtype=torch.int32)
+        out = model(ids.reshape(1, -1), labels=labels.reshape(1, -1), cu_seqlens=cu.cpu())
+        return out.loss_sum
+
+    return model, loss_sum, model.flops_per_token(config.train.seq_len)
+
+
+def fla_peer(config: Config, device):
+    """fla-core's GatedDeltaNetForCausalLM with our shapes, or None where it cannot run them."""
+    m = config.model
+    if set(m.layer_types) != {"G"}:
+        return None
+    try:
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    except Exception as err:  # noqa: BLE001 - any import failure means: no peer in this run
+        print(f"fla-core not used: {type(err).__name__}: {err}")
+        return None
+    peer_config = GatedDeltaNetConfig(
+        hidden_size=m.hidden_size, num_hidden_layers=m.n_layers, num_heads=m.gdn_num_heads,
+        num_v_heads=m.num_v_heads, head_dim=m.gdn_head_dim, expand_v=m.gdn_expand_v, conv_size=m.conv_size,
+        use_gate=m.gdn_use_gate, intermediate_size=m.mlp_dim, vocab_size=m.vocab_size, norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_word_embeddings, fuse_cross_entropy=False, fuse_linear_cross_entropy=True)
+    from fla.ops.common import chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # timing and memory only: its Triton<3.7.1 Hopper guard (fla #640)
+    model = GatedDeltaNetForCausalLM(peer_config).to(device)
+
+    def loss_sum(ids, labels):
+        out = model(input_ids=ids, labels=labels)  # it shifts the labels itself: same work, other value
+        return out.loss * labels.numel()
+
+    return model, loss_sum
+
+
+def step_fn(model, loss_sum, optimizer, rows, micro):
+    ids, labels = rows
+    pieces = range(0, ids.shape[0], micro)
+    count = labels.numel()
+
+    def step():
+        for start in pieces:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_sum(ids[start:start + micro], labels[start:start + micro]) / count
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def measure(name, model, loss_sum, flops_per_token, batch, micro, seq_len, vocab, args, device):
+    row = {"model": name, "batch": batch, "micro": micro, "seq_len": seq_len}
+    try:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        step = step_fn(model, loss_sum, optimizer, random_rows(batch, seq_len, vocab, device), micro)
+        step()  # compile and autotune
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(args.warmup):
+            step()
+        times = sorted(timed_ms(step, device) for _ in range(args.iters))
+        ms = times[len(times) // 2]
+        tokens_per_s = batch * seq_len / (ms / 1e3)
+        peak = peak_flops_per_s(argparse.Namespace(peak_tflops=0.0), device)
+        row.update(step_ms=ms, tokens_per_s=tokens_per_s, peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                   mfu=flops_per_token * tokens_per_s / peak if peak and flops_per_token else None)
+    except Exception as err:  # noqa: BLE001
+        if not is_oom(err):
+            raise
+        row.update(oom=True)
+    return row
+
+
+def account_saved_activations(config: Config, batch: int, device) -> dict:
+    """Bytes saved for the backward by one forward, per module path with layer indices folded."""
+    model = HybridLM(config.model).to(device)
+    stack, charged, seen = ["(model)"], collections.Counter(), set()
+
+    def push(module, _args, name):
+        stack.append(name)
+
+    def pop(module, _args, _out):
+        stack.pop()
+
+    for name, module in model.named_modules():
+        if name:
+            folded = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            module.register_forward_pre_hook(lambda m, a, n=folded: push(m, a, n))
+            module.register_forward_hook(pop)
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in seen and t.untyped_storage().nbytes():
+                seen.add(key)
+                charged[stack[-1]] += t.untyped_storage().nbytes()
+        return t
+
+    ids, labels = random_rows(batch, config.train.seq_len, config.model.vocab_size, device)
+    cu = torch.arange(0, (batch + 1) * config.train.seq_len, config.train.seq_len, dtype=torch.int32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(ids.reshape(1, -1), labels=labels.reshape(1, -1), cu_seqlens=cu)
+    del out
+    total = sum(charged.values())
+    return {"batch": batch, "seq_len": config.train.seq_len, "total_gib": total / 2 ** 30,
+            "by_module_mib": {k: v / 2 ** 20 for k, v in charged.most_common()}}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda")
+    results, accounts = [], {}
+    for path in args.configs.split(","):
+        config = Config.from_yaml(path)
+        seq_len = args.seq_len or config.train.seq_len
+        config.train.seq_len = seq_len
+        if args.account:
+            accounts[path] = account_saved_activations(config, args.account_batch, device)
+            free_memory(device)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            micro = args.micro or batch
+            for ac in args.ac.split(","):
+                model, loss_sum, fpt = ours(config, ac, device)
+                row = measure(f"ours ({ac})", model, loss_sum, fpt, batch, micro, seq_len, config.model.vocab_size,
+                              args, device)
+                results.append({"config": path, **row})
+                print(json.dumps(results[-1]), flush=True)
+                del model, loss_sum
+                free_memory(device)
+            peer = None if args.no_fla else fla_peer(config, device)
+            if peer is not None:
+                model, loss_sum = peer
+                row = measure("fla-core", model, loss_sum, fpt, batch, micro, seq_len, config.model.vocab_size,
+                              args, device)
+                results.append({"config": path, **row})
+                print(json.dumps(results[-1]), flush=True)
+                del model, loss_sum, peer
+                free_memory(device)
+    payload = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "results": results,
+               "accounts": accounts}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=1))
+    print(f"\n{payload['device']}, torch {torch.__version__}")
+    print(f"{'config':24s} {'model':18s} {'batch':>5s} {'micro':>5s} {'ms/step':>9s} {'tok/s':>9s} {'MFU':>6s} "
+          f"{'peak GiB':>9s}")
+    for r in results:
+        if r.get("oom"):
+            print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} {'OOM':>9s}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+        print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} {r['step_ms']:9.1f} "
+              f"{r['tokens_per_s']:9,.0f} {mfu:>6s} {r['peak_gib']:9.1f}")
+    for path, acc in accounts.items():
+        print(f"\nsaved activations, {Path(path).name}, batch {acc['batch']} x {acc['seq_len']}: "
+              f"{acc['total_gib']:.2f} GiB")
+        for module, mib in list(acc["by_module_mib"].items())[:25]:
+            print(f"  {module:40s} {mib:9.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Shared memory of every GDN kernel launch, compiled for a GPU without one: runs on any machine.
+
+    python tools/kernel_resources.py --dims 64,128,256 --dtypes bfloat16,float32 [--arch 90]
+
+The wrapper (gdn_kernels.gated_delta_rule) runs its forward and backward on small CPU tensors with
+every Triton launch compiled for the target (sm_90: H100 / H200) instead of run. A launch whose
+shared memory exceeds --limit (the H100's and H200's 227 KB per block) fails as it would on the
+device, so the wrapper steps down its launch settings as there (launch.py); the table lists the
+setting each kernel ends up with and its shared memory. Exit status 1 if some kernel has no
+setting that fits.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile real kernels, not the interpreter's
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+HOPPER_SHARED_LIMIT = 232448  # bytes per block on the H100 and H200 (227 KB)
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64"}
+
+
+@contextlib.contextmanager
+def compiled_instead_of_run(arch: int, limit: int):
+    """Every JITFunction launch in the block is compiled for sm_<arch>, not run: one over `limit`
+    bytes of shared memory raises OutOfResources as the device would (so the wrapper steps down to
+    its next launch setting, gdn_kernels.gated_delta_rule.launch); the others are appended to the
+    yielded list as (kernel name, constexprs, options, shared bytes)."""
+    launches = []
+    original = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup=False, **kwargs):
+        signature, constexprs, options = signature_of(self, args, dict(kwargs))
+        compiled = triton.compile(ASTSource(self, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                                  options=options)
+        shared = int(compiled.metadata.shared)
+        if shared > limit:
+            raise OutOfResources(shared, limit, "shared memory")
+        launches.append((self.__name__, constexprs, options, shared))
+
+    JITFunction.run = compile_only
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def signature_of(fn: JITFunction, args, kwargs):
+    """(signature, constexprs, options) of one launch, as triton.compile takes them."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip([p.name for p in fn.params], args))
+    values.update(kwargs)
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32"
+        else:
+            signature[param.name] = "fp32"
+    return signature, constexprs, options
+
+
+def gdn_launches(K: int, V: int, dtype: torch.dtype, arch: int, limit: int, heads: int = 2, tokens: int = 192):
+    """The launches of one forward + backward of the Triton GDN op at these head dims and dtype."""
+    from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, tokens, heads, K, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, tokens, heads, V, generator=gen).to(dtype).requires_grad_()
+    g, beta = (torch.randn(1, tokens, heads, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    decay = (torch.zeros(heads, requires_grad=True), torch.zeros(heads, requires_grad=True))
+    with compiled_instead_of_run(arch, limit) as launches:
+        o, _ = triton_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, cu_seqlens=[0, 100, tokens],
+                                       decay_params=decay, beta_activation="sigmoid", use_qk_l2norm=True)
+        o.sum().backward()
+    return launches
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dims", default="16,32,64,128,256", help="head dims to try, as K = V and K < V pairs")
+    p.add_argument("--dtypes", default="bfloat16,float16,float32")
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper)")
+    p.add_argument("--limit", type=int, default=HOPPER_SHARED_LIMIT, help="shared memory per block, bytes")
+    p.add_argument("--out", default=None, help="JSON file for the table")
+    args = p.parse_args(argv)
+    dims = [int(d) for d in args.dims.split(",")]
+    pairs = sorted({(k, v) for k in dims for v in dims if v in (k, 2 * k)})
+    rows, worst = [], 0
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for K, V in pairs:
+            try:
+                launches = gdn_launches(K, V, dtype, args.arch, args.limit)
+            except RuntimeError as err:  # no setting of some kernel fits
+                rows.append({"K": K, "V": V, "dtype": dtype_name, "fits": False, "error": str(err)})
+                print(f"{dtype_name:9s} K={K:<4d} V={V:<4d} FAILS: {err}", flush=True)
+                continue
+            for name, constexprs, options, shared in dict.fromkeys(
+                    (n, repr(c), repr(o), sh) for n, c, o, sh in launches):
+                worst = max(worst, shared)
+                rows.append({"kernel": name, "K": K, "V": V, "dtype": dtype_name, "shared": shared, "fits": True,
+                             "setting": options, "constexprs": constexprs})
+                print(f"{dtype_name:9s} K={K:<4d} V={V:<4d} {name:24s} {shared / 1024:7.1f} KB  {options}", flush=True)
+    over = [r for r in rows if not r["fits"]]
+    print(f"triton {triton.__version__}, sm_{args.arch}: {len(rows)} launches, largest {worst / 1024:.1f} KB, "
+          f"{len(over)} over the {args.limit / 1024:.0f} KB limit")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"triton": triton.__version__, "arch": args.arch,
+                                              "limit": args.limit, "launches": rows}, indent=1))
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
