@@ -17,7 +17,17 @@ from typing import Any, Callable, Optional, Tuple, Union, get_args, get_origin, 
 
 import yaml
 
+# Facts the layers share, each kept once, here at the bottom of the package: the ops, the model, the
+# data and the trainers import them, and the config validates its fields against them.
 LAYER_SYMBOLS = {"G": "gated deltanet", "S": "sliding-window attention", "A": "full causal attention"}
+GDN_IMPLS = ("auto", "naive", "chunk", "triton")     # ops.gated_delta_rule
+ATTENTION_IMPLS = ("auto", "sdpa", "flex")           # ops.attention
+CONV_IMPLS = ("auto", "torch", "triton")             # ops.short_conv
+CP_ALGORITHMS = ("relay", "allgather")               # the GDN op's context-parallel algorithms
+CHECKPOINTING_MODES = ("none", "selective", "full")  # parallel.checkpointing
+MAX_HEAD_DIM = 256                                   # GDN head dims the ops (and kernels) take
+IGNORE_INDEX = -100                                  # the label of a token without a target
+BYTE_VOCAB_SIZE = 256                                # token ids of the byte-level corpora
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")                # what the training loops place a model on
 PP_SCHEDULES = ("1f1b", "interleaved")
@@ -141,30 +151,6 @@ PARALLEL_RULES: Tuple[Rule, ...] = tuple(
         ("virtual_stages", "pipeline stages per pp rank (1 with the 1f1b schedule)")))
 
 
-def _implementation_choices() -> dict:
-    """`section.field` -> the values its consumer accepts, taken from that consumer. Imported on use:
-    those modules import this one (and torch)."""
-    from .ops.attention import _IMPLS as ATTENTION_IMPLS
-    from .ops.gated_delta_rule import IMPLS as GDN_IMPLS
-    from .parallel.checkpointing import MODES as CHECKPOINTING_MODES
-    from .parallel.context import CP_ALGORITHMS
-    return {"model.gdn_impl": GDN_IMPLS, "model.attn_impl": ATTENTION_IMPLS,
-            "train.activation_checkpointing": CHECKPOINTING_MODES, "parallel.cp_algorithm": CP_ALGORITHMS}
-
-
-def _max_head_dim() -> int:
-    from .ops.gated_delta_rule import MAX_HEAD_DIM
-    return MAX_HEAD_DIM
-
-
-def _triton_chunk_size() -> Optional[int]:
-    """The chunk length the Triton GDN kernels are built for; None where they do not import (then
-    they never run: impl 'auto' takes the PyTorch path and 'triton' fails with its own message)."""
-    from .ops.triton_dispatch import kernel_module
-    kernels = kernel_module("gated_delta_rule")
-    return None if kernels is None else kernels.CHUNK
-
-
 @dataclass
 class ModelConfig:
     vocab_size: int = 256
@@ -257,7 +243,7 @@ class ModelConfig:
             raise ConfigError(f"model.gdn_expand_v={self.gdn_expand_v} gives a value head of "
                               f"model.gdn_head_dim * gdn_expand_v = {value_head}; choose gdn_expand_v so "
                               f"that this is a whole number >= 1")
-        max_head_dim = _max_head_dim()
+        max_head_dim = MAX_HEAD_DIM
         if self.gdn_head_dim > max_head_dim:
             raise ConfigError(f"model.gdn_head_dim={self.gdn_head_dim} must be <= {max_head_dim} (kernel "
                               f"limit); use more heads of at most {max_head_dim}")
@@ -284,18 +270,8 @@ class ModelConfig:
             raise ConfigError(f"model.hidden_ratio={self.hidden_ratio} gives an MLP width of 0 at "
                               f"model.hidden_size={self.hidden_size}; raise it or set "
                               f"model.intermediate_size")
-        choices = _implementation_choices()
-        _check_choice(self, "model", "gdn_impl", choices["model.gdn_impl"])
-        _check_choice(self, "model", "attn_impl", choices["model.attn_impl"])
-        if self.gdn_impl == "triton":
-            self.check_triton_chunk_size("model.gdn_impl='triton' runs the Triton kernels")
-
-    def check_triton_chunk_size(self, why: str) -> None:
-        """The Triton GDN kernels run one chunk length; `why` says why they will run."""
-        chunk = _triton_chunk_size()
-        if chunk is not None and self.gdn_chunk_size != chunk:
-            raise ConfigError(f"model.gdn_chunk_size={self.gdn_chunk_size}: {why}, which process chunks of "
-                              f"{chunk} tokens; set model.gdn_chunk_size={chunk} or model.gdn_impl='chunk'")
+        _check_choice(self, "model", "gdn_impl", GDN_IMPLS)
+        _check_choice(self, "model", "attn_impl", ATTENTION_IMPLS)
 
 
 @dataclass
@@ -348,7 +324,7 @@ class TrainConfig:
                               f"lower train.warmup_steps or raise train.steps")
         _check_choice(self, "train", "dtype", TRAIN_DTYPES)
         _check_choice(self, "train", "activation_checkpointing",
-                      _implementation_choices()["train.activation_checkpointing"],
+                      CHECKPOINTING_MODES,
                       "(full: recompute every block in the backward)")
         _check_device(self.device)
         _check_out_dir(self.out_dir)
@@ -382,7 +358,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"          # 1f1b | interleaved
     virtual_stages: int = 1            # pipeline stages per pp rank (interleaved schedule)
     data_parallel: str = "fsdp"        # fsdp (FSDP2 over dp, replicated over cp) | ddp
-    cp_algorithm: str = "relay"        # relay | allgather (DESIGN §2)
+    cp_algorithm: str = "relay"        # relay | allgather (docs/design.md §2)
 
     @property
     def world_size(self) -> int:
@@ -393,7 +369,7 @@ class ParallelConfig:
         _check_fields(self, "parallel", PARALLEL_RULES)
         _check_choice(self, "parallel", "pp_schedule", PP_SCHEDULES)
         _check_choice(self, "parallel", "data_parallel", DATA_PARALLEL_MODES)
-        _check_choice(self, "parallel", "cp_algorithm", _implementation_choices()["parallel.cp_algorithm"])
+        _check_choice(self, "parallel", "cp_algorithm", CP_ALGORITHMS)
         if world_size is not None and self.world_size != world_size:
             raise ConfigError(
                 f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} but "
@@ -456,29 +432,10 @@ class Config:
         self.data.validate()
         self.train.validate()
         self.parallel.validate(self.model, self.train, world_size)
-        from .data.corpus import BYTE_VOCAB_SIZE  # imported here: that module imports this one
         if self.model.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} is smaller than the "
                               f"{BYTE_VOCAB_SIZE} byte tokens of data.source={self.data.source!r}; set "
                               f"model.vocab_size >= {BYTE_VOCAB_SIZE}")
-        if self.model.gdn_impl == "auto" and self.train.trains_on_cuda():
-            self.model.check_triton_chunk_size(
-                f"model.gdn_impl='auto' on train.device={self.train.device!r} (CUDA) runs the Triton kernels")
-        triton_on_gpu = self.model.gdn_impl in ("auto", "triton") and self.train.trains_on_cuda()
-        if triton_on_gpu and self.train.dtype == "float32" and self.model.gdn_head_dim > 128:
-            # measured by tools/kernel_resources.py: two backward kernels hold [64, K] fp32 tiles whole
-            raise ConfigError(f"model.gdn_head_dim={self.model.gdn_head_dim} with train.dtype='float32' on CUDA: "
-                              f"the Triton GDN backward kernels need more shared memory than a GPU block has for "
-                              f"fp32 keys wider than 128; use train.dtype=bfloat16 (autocast), "
-                              f"model.gdn_head_dim <= 128, or model.gdn_impl='chunk'")
-        if self.model.gdn_impl == "triton" and not self.train.trains_on_cuda():
-            import torch
-            from .ops.triton_dispatch import check_triton_input
-            try:  # the op's own test, on an empty tensor standing for this CPU run
-                check_triton_input(torch.empty(0), "gated_delta_rule", "chunk")
-            except (ImportError, ValueError) as err:
-                raise ConfigError(f"model.gdn_impl='triton' cannot run on train.device={self.train.device!r} "
-                                  f"(CPU): {err}") from None
         return self
 
     def to_dict(self) -> dict:

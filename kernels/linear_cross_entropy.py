@@ -1,6 +1,6 @@
 """Linear + cross-entropy without materialising the [tokens, vocab] logits, vocab-parallel aware.
 
-    loss = sum_i [lse_i - z_i[y_i]]  over tokens i with y_i != IGNORE_INDEX,   z = hidden @ weight.T
+    loss = sum_i [lse_i - z_i[y_i]]  over tokens i with y_i != ignore_index,   z = hidden @ weight.T
     d loss / d z_i = softmax(z_i) - onehot(y_i)      (0 for ignored tokens)
     dhidden = dz @ weight,   dweight = dz.T @ hidden
 
@@ -37,12 +37,11 @@ try:
 except ImportError:  # CPU installs without triton use the torch path below
     triton = None
 
-IGNORE_INDEX = -100
 BLOCK_V = 1024             # vocab columns per step of a row's loop (fixed: no autotune)
 NUM_WARPS = 4
 CHUNK_ELEMENTS = 1 << 26   # auto chunk: about this many logits per chunk (128 MiB in bf16)
 
-__all__ = ["linear_cross_entropy", "IGNORE_INDEX"]
+__all__ = ["linear_cross_entropy"]
 
 
 # ---------------------------------------------------------------- Triton kernels (one row each)
@@ -101,43 +100,43 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _row_stats(logits, labels, vocab_start, acc_dtype):
+def _row_stats(logits, labels, vocab_start, ignore_index, acc_dtype):
     """(row max, sum exp(z - max), target logit or 0) for one chunk, each [rows] in acc_dtype."""
     rows, n_vocab = logits.shape
     if _use_triton(logits):
         out = [torch.empty(rows, device=logits.device, dtype=acc_dtype) for _ in range(3)]
-        _row_stats_kernel[(rows,)](logits, labels, *out, vocab_start, IGNORE_INDEX, n_vocab=n_vocab,
+        _row_stats_kernel[(rows,)](logits, labels, *out, vocab_start, ignore_index, n_vocab=n_vocab,
                                    BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return out
     x = logits.to(acc_dtype)
     m = x.max(dim=1).values
     s = (x - m.unsqueeze(1)).exp_().sum(dim=1)
     local = labels - vocab_start
-    mine = (labels != IGNORE_INDEX) & (local >= 0) & (local < n_vocab)
+    mine = (labels != ignore_index) & (local >= 0) & (local < n_vocab)
     target = x.gather(1, local.masked_fill(~mine, 0).unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
     return m, s, target
 
 
-def _softmax_grad_(logits, labels, lse, vocab_start) -> None:
+def _softmax_grad_(logits, labels, lse, vocab_start, ignore_index) -> None:
     """logits <- softmax - onehot in place (rows with an ignored label: zeros)."""
     rows, n_vocab = logits.shape
     if _use_triton(logits):
-        _softmax_grad_kernel[(rows,)](logits, labels, lse, vocab_start, IGNORE_INDEX, n_vocab=n_vocab,
+        _softmax_grad_kernel[(rows,)](logits, labels, lse, vocab_start, ignore_index, n_vocab=n_vocab,
                                       BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return
     g = (logits.to(lse.dtype) - lse.unsqueeze(1)).exp_()
     local = labels - vocab_start
-    mine = (labels != IGNORE_INDEX) & (local >= 0) & (local < n_vocab)
+    mine = (labels != ignore_index) & (local >= 0) & (local < n_vocab)
     rows_idx = torch.arange(rows, device=logits.device)
     g[rows_idx[mine], local[mine]] -= 1.0
-    g.masked_fill_((labels == IGNORE_INDEX).unsqueeze(1), 0.0)
+    g.masked_fill_((labels == ignore_index).unsqueeze(1), 0.0)
     logits.copy_(g)
 
 
 # ---------------------------------------------------------------- autograd
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_start, group, chunk_tokens, need_grad):
+    def forward(ctx, hidden, weight, labels, vocab_start, ignore_index, group, chunk_tokens, need_grad):
         n_tokens, n_vocab = hidden.shape[0], weight.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32, fp64 stays fp64
         grad_hidden = need_grad and ctx.needs_input_grad[0]
@@ -153,7 +152,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, y = hidden[start:end], labels[start:end]
             z = buffer[:end - start]
             torch.mm(h, weight.t(), out=z)
-            row_max, sum_exp, target = _row_stats(z, y, vocab_start, acc_dtype)
+            row_max, sum_exp, target = _row_stats(z, y, vocab_start, ignore_index, acc_dtype)
             if group is not None:
                 # global max first, so the other ranks' sums can be rescaled to it without overflow
                 global_max = row_max.clone()
@@ -162,10 +161,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dist.all_reduce(stats, group=group)  # one collective for both sums
                 row_max, sum_exp, target = global_max, stats[0], stats[1]
             lse = row_max + sum_exp.log()
-            loss += torch.where(y != IGNORE_INDEX, lse - target, 0.0).sum()
+            loss += torch.where(y != ignore_index, lse - target, 0.0).sum()
             if not (grad_hidden or grad_weight):
                 continue
-            _softmax_grad_(z, y, lse, vocab_start)  # z now holds d loss / d logits
+            _softmax_grad_(z, y, lse, vocab_start, ignore_index)  # z now holds d loss / d logits
             if grad_hidden:
                 torch.mm(z, weight, out=dhidden[start:end])
             if grad_weight:
@@ -187,16 +186,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gw = None
         if dweight is not None:  # multiplied in fp32, stored straight into the weight's dtype
             gw = torch.mul(dweight, grad_loss, out=torch.empty_like(dweight, dtype=ctx.weight_dtype))
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         vocab_start: int = 0, group=None,
+                         ignore_index: int, vocab_start: int = 0, group=None,
                          chunk_tokens: Optional[int] = None) -> torch.Tensor:
-    """Summed cross-entropy of `hidden @ weight.T` over tokens whose label is not IGNORE_INDEX.
+    """Summed cross-entropy of `hidden @ weight.T` over tokens whose label is not `ignore_index`.
 
     hidden [..., D], weight [V_local, D] (same dtype), labels [...] (long, global vocab ids in
-    [0, V) or IGNORE_INDEX). Returns a 0-d loss in fp32 (fp64 for fp64 inputs), differentiable for
+    [0, V) or ignore_index). Returns a 0-d loss in fp32 (fp64 for fp64 inputs), differentiable for
     hidden and weight. With `group` (tensor parallel), weight holds global rows [vocab_start,
     vocab_start + V_local); the loss is the full-vocabulary loss on every rank and the hidden
     gradient is this rank's partial (see the module docstring). chunk_tokens: tokens per chunk;
@@ -226,4 +225,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):  # inputs already share one dtype
         return _LinearCrossEntropy.apply(hidden2d, weight.contiguous(), labels1d, int(vocab_start),
-                                         group, int(chunk_tokens), need_grad)
+                                         int(ignore_index), group, int(chunk_tokens), need_grad)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_parallel.ops.validation import on_device
+from .host_index import on_device
 
 __all__ = ["triton_causal_conv1d"]
 

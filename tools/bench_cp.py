@@ -1,4 +1,4 @@
-"""Context-parallel efficiency (weak scaling) of the model and of one GDN op (DESIGN §2).
+"""Context-parallel efficiency (weak scaling) of the model and of one GDN op (docs/design.md §2).
 
     torchrun --nproc_per_node=2 tools/bench_cp.py                 # 2 GPUs, defaults below
     torchrun --nproc_per_node=2 tools/bench_cp.py --smoke         # tiny, CPU, < 2 minutes
@@ -32,8 +32,8 @@ from gdn_parallel.model import HybridLM
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
 from gdn_parallel.ops.rope import positions_from_cu_seqlens
 from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing
-from gdn_parallel.parallel.context import CPContext, wait_pending_sends
-from gdn_parallel.parallel.cp.batch import cp_loss, shard_batch
+from gdn_parallel.comm import CPContext
+from gdn_parallel.parallel.batch import cp_loss, shard_batch
 
 PATTERNS = {"gdn": "G", "h1": "GS"}
 COLUMNS = [("level", "level", "s"), ("model/op", "name", "s"), ("algorithm", "algorithm", "s"),
@@ -190,7 +190,7 @@ def bench_model(b: Bench, kind: str, tokens: int, model: HybridLM) -> None:
         def cp_step(shard=shard):
             model.zero_grad(set_to_none=True)
             cp_loss(model, shard).backward()
-            wait_pending_sends()
+            shard.context.finish()
 
         cpn = b.time(f"model {name} T/rank={tokens} cp={b.world} {algorithm}", cp_step, profiled=True)
         b.add_row({**row, "t_cpn_ms": ms(cpn), "peak_cpn_gb": cpn["peak_gb"]})
@@ -209,14 +209,16 @@ def op_inputs(total: int, heads: int, dim: int, dtype, device) -> list:
     return [x.to(device, dtype) for x in qkv] + [g.to(device), beta.to(device, dtype), do.to(device, dtype)]
 
 
-def op_step(fn, tensors: list):
-    """Forward + backward of `fn` on leaf copies of q, k, v, g, beta (with `do` as output grad)."""
+def op_step(fn, tensors: list, plan: CPContext = None):
+    """Forward + backward of `fn` on leaf copies of q, k, v, g, beta (with `do` as output grad); the
+    sends of `plan` (context parallelism) complete with the step."""
     *inputs, do = tensors
     leaves = [x.detach().requires_grad_() for x in inputs]
 
     def step():
         torch.autograd.grad(fn(*leaves), leaves, do)
-        wait_pending_sends()
+        if plan is not None:
+            plan.finish()
     return step
 
 
@@ -250,7 +252,7 @@ def bench_op(b: Bench, tokens: int, fla) -> None:
     name = f"gdn-op-H{args.heads}-K{args.head_dim}"
 
     def ours(cu, cp=None):
-        return lambda *t: gated_delta_rule(*t, use_qk_l2norm=True, cu_seqlens=cu, cp_group=cp)[0]
+        return lambda *t: gated_delta_rule(*t, use_qk_l2norm=True, cu_seqlens=cu, cp=cp)[0]
 
     cp1 = b.time(f"op {name} T/rank={tokens} cp=1", op_step(ours(cu_local), local))
     one = cp1 if n == 1 else b.time(f"op {name} T={tokens * n} on one rank", op_step(ours(cu_all), full))
@@ -262,7 +264,7 @@ def bench_op(b: Bench, tokens: int, fla) -> None:
             continue
         # A prebuilt plan, as the model passes it: no per-call planning or host reads of cu_seqlens.
         cp = CPContext.build(b.group, cu_full, tokens, algorithm, b.device)
-        cpn = b.time(f"op {name} T/rank={tokens} cp={n} {algorithm}", op_step(ours(None, cp), local))
+        cpn = b.time(f"op {name} T/rank={tokens} cp={n} {algorithm}", op_step(ours(None, cp), local, cp))
         b.add_row({**row, "t_cpn_ms": ms(cpn)})
     if fla is not None:
         bench_fla_op(b, tokens, fla, full, local, cu_full, cu_local, cu_all, name)

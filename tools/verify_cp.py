@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.data.packing import random_packed_row
 from gdn_parallel.model import HybridLM
-from gdn_parallel.parallel.cp.batch import all_reduce_gradients, cp_loss, shard_batch
+from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
 
 
 def packed_batch(cu, vocab, device, seed):
@@ -38,7 +38,7 @@ def compare(reference, model, batch, algorithm, autocast_dtype=None):
     with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
         loss = cp_loss(model, shard)
     loss.backward()
-    shard.context.wait_pending()
+    shard.context.finish()
     all_reduce_gradients(model, dist.group.WORLD)
     dist.all_reduce(loss := loss.detach().float().clone())
     grad_errors = {name: rel_err(p.grad, p_ref.grad)

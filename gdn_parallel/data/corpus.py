@@ -21,9 +21,8 @@ from typing import List, Tuple
 
 import torch
 
-from ..config import ConfigError
+from ..config import BYTE_VOCAB_SIZE, ConfigError
 
-BYTE_VOCAB_SIZE = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 

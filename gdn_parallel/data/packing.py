@@ -19,7 +19,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-IGNORE_INDEX = -100
+from ..config import IGNORE_INDEX
 
 DocumentLike = Union[torch.Tensor, bytes, bytearray, Sequence[int]]
 

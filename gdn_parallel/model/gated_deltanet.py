@@ -26,7 +26,7 @@ class ShortConvolution(nn.Module):
         # Under autocast the projections come out in bf16 while the weights stay fp32.
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return causal_conv1d(x, self.weight.squeeze(1).to(x.dtype), bias, activation="silu",
-                             cu_seqlens=seq.cu_seqlens, cp_group=seq.cp)
+                             cu_seqlens=seq.cu_seqlens, cp=seq.cp)
 
 
 class GatedDeltaNet(nn.Module):
@@ -68,7 +68,7 @@ class GatedDeltaNet(nn.Module):
         # beta = sigmoid(b) (x2 with negative eigenvalues) and g = -exp(A_log) softplus(a + dt_bias) in
         # fp32: the op applies them (inside the kernels' first launch on the GPU).
         o, _ = gated_delta_rule(q, k, v, self.a_proj(x), self.b_proj(x), cu_seqlens=seq.cu_seqlens,
-                                use_qk_l2norm=True, impl=self.impl, chunk_size=self.chunk_size, cp_group=seq.cp,
+                                use_qk_l2norm=True, impl=self.impl, chunk_size=self.chunk_size, cp=seq.cp,
                                 decay_params=(self.A_log, self.dt_bias),
                                 beta_activation="2sigmoid" if self.allow_neg_eigval else "sigmoid")
         gate = None if self.g_proj is None else self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)

@@ -11,14 +11,34 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import IGNORE_INDEX, ModelConfig
 from ..ops.rope import positions_from_cu_seqlens
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
-from .loss import IGNORE_INDEX, LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
+from .loss import LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .sequence import SequenceInfo
+
+
+def mixer_flops_per_token(symbol: str, config: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of a token mixer beyond its matrix parameters: attention scores over the
+    visible keys, or the GDN chunk algorithm's products."""
+    if symbol in "SA":
+        visible = min(config.window_size, seq_len) if symbol == "S" else seq_len / 2
+        return 4 * visible * config.attn_num_heads * config.attn_dim
+    C, K, V = config.gdn_chunk_size, config.gdn_head_dim, config.head_v_dim
+    return config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
+
+
+def blocks_of(module: nn.Module) -> list:
+    """The blocks of a HybridLM or of a pipeline stage of one: the modules in `module.layers` (a list
+    or a ModuleDict keyed by global layer index); none when it has no layers."""
+    layers = getattr(module, "layers", None)
+    if layers is None:
+        return []
+    values = layers.values() if isinstance(layers, (nn.ModuleDict, dict)) else layers
+    return [m for m in values if isinstance(m, nn.Module)]
 
 
 def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:
@@ -132,12 +152,5 @@ class HybridLM(nn.Module):
         matmul_params = self.num_parameters(exclude_embeddings=True)
         if config.tie_word_embeddings:
             matmul_params += self.embeddings.weight.numel()
-        mixer = 0.0
-        for symbol in config.layer_types:
-            if symbol in "SA":
-                visible = min(config.window_size, seq_len) if symbol == "S" else seq_len / 2
-                mixer += 4 * visible * config.attn_num_heads * config.attn_dim
-            else:
-                C, K, V = config.gdn_chunk_size, config.gdn_head_dim, config.head_v_dim
-                mixer += config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
+        mixer = sum(mixer_flops_per_token(symbol, config, seq_len) for symbol in config.layer_types)
         return 6.0 * matmul_params + 3.0 * mixer

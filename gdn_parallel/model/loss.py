@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from ..config import IGNORE_INDEX
+from ..ops.cross_entropy import linear_cross_entropy
 
 
 def lm_head_loss(criterion: nn.Module, lm_head: nn.Module, hidden: torch.Tensor,
@@ -37,7 +38,7 @@ class TokenCrossEntropy(nn.Module):
 
 class LinearCrossEntropy(nn.Module):
     """TokenCrossEntropy()(hidden @ weight.T, labels), computed a chunk of tokens at a time
-    (gdn_kernels.linear_cross_entropy) so the [tokens, vocab] logits never exist at once."""
+    (ops.cross_entropy) so the [tokens, vocab] logits never exist at once."""
 
     fuses_lm_head = True
 
@@ -46,5 +47,4 @@ class LinearCrossEntropy(nn.Module):
         self.chunk_tokens = chunk_tokens  # None: the kernel picks one from the vocabulary size
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from gdn_kernels.linear_cross_entropy import linear_cross_entropy  # only when switched on
         return linear_cross_entropy(hidden, weight, labels, chunk_tokens=self.chunk_tokens)

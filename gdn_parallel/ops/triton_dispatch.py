@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 from types import ModuleType
 from typing import Optional
 
 import torch
+
+from ..config import ConfigError, ModelConfig
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 accumulation; float64 stays on PyTorch
 
@@ -19,10 +22,18 @@ class TritonUnavailable(ImportError, RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def kernel_module(name: str) -> Optional[ModuleType]:
-    """gdn_kernels.<name>, or None when it (or triton) cannot be imported. Cached: "auto" asks per call."""
+    """gdn_kernels.<name>, or None when it (or triton) cannot be imported. Cached: "auto" asks per call.
+
+    Without triton on a CPU machine that is expected and silent. Anything else (a GPU present, or a
+    kernel module that fails for another reason) means impl="auto" quietly runs the PyTorch path where
+    the kernels were meant to: that is said once, with the import error."""
     try:
         return importlib.import_module(f"gdn_kernels.{name}")
-    except ImportError:
+    except ImportError as err:
+        triton_missing = getattr(err, "name", None) == "triton"
+        if torch.cuda.is_available() or not triton_missing:
+            warnings.warn(f"gdn_kernels.{name} does not import ({type(err).__name__}: {err}); impl='auto' runs "
+                          f"the PyTorch path instead of the Triton kernels", RuntimeWarning, stacklevel=2)
         return None
 
 
@@ -46,3 +57,27 @@ def check_triton_input(x: torch.Tensor, name: str, fallback: str) -> ModuleType:
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 to run Triton's "
                          f"interpreter on CPU); use impl='{fallback}' or 'auto'")
     return module
+
+
+def check_kernel_config(model: ModelConfig, on_cuda: bool, dtype: str) -> None:
+    """What a configuration asks of the Triton GDN kernels, checked at start-up, before a model is
+    built (ConfigError naming the field): the chunk length they are built for, that impl='triton'
+    can run here at all, and the head sizes whose tiles fit a GPU's shared memory in fp32."""
+    impl = model.gdn_impl
+    runs_kernels = impl == "triton" or (impl == "auto" and on_cuda)
+    if impl == "triton" and not on_cuda:
+        try:  # the op's own test, on an empty tensor standing for this CPU run
+            check_triton_input(torch.empty(0), "gated_delta_rule", "chunk")
+        except (ImportError, ValueError) as err:
+            raise ConfigError(f"model.gdn_impl='triton' cannot run on the CPU: {err}") from None
+    kernels = kernel_module("gated_delta_rule") if runs_kernels else None
+    if kernels is not None and model.gdn_chunk_size != kernels.CHUNK:
+        raise ConfigError(f"model.gdn_chunk_size={model.gdn_chunk_size}: model.gdn_impl={impl!r} runs the Triton "
+                          f"kernels here, which process chunks of {kernels.CHUNK} tokens; set "
+                          f"model.gdn_chunk_size={kernels.CHUNK} or model.gdn_impl='chunk'")
+    if runs_kernels and on_cuda and dtype == "float32" and model.gdn_head_dim > 128:
+        # measured by tools/kernel_resources.py: two backward kernels hold [64, K] fp32 tiles whole
+        raise ConfigError(f"model.gdn_head_dim={model.gdn_head_dim} with train.dtype='float32' on CUDA: the "
+                          f"Triton GDN backward kernels need more shared memory than a GPU block has for fp32 "
+                          f"keys wider than 128; use train.dtype=bfloat16 (autocast), model.gdn_head_dim <= 128, "
+                          f"or model.gdn_impl='chunk'")

@@ -12,7 +12,7 @@ its activations, so nothing that communicates under context parallelism runs twi
 
 Under context parallelism a recomputed block does not communicate again: what it received in its
 first forward (states, halos, all-gathered summaries) is replayed from a log and its sends are
-skipped (parallel/cp/replay.py), so the backward of a layer never waits on another rank's
+skipped (comm/replay.py), so the backward of a layer never waits on another rank's
 recomputation. Recomputation runs the whole block (no early stop), so that the log is read through
 in the order it was written.
 """
@@ -24,21 +24,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from .cp.replay import ReplayLog
-
-MODES = ("none", "selective", "full")
+from ..comm.replay import ReplayLog
+from ..config import CHECKPOINTING_MODES
+from ..model import blocks_of
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     """Wrap every block of `model.layers` (a HybridLM or a pipeline stage); returns how many."""
-    if mode not in MODES:
-        raise ValueError(f"activation_checkpointing={mode!r} is not one of {MODES}")
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} is not one of {CHECKPOINTING_MODES}")
     if mode == "none":
         return 0
-    layers = getattr(model, "layers", None)
-    if layers is None:
+    if getattr(model, "layers", None) is None:
         raise ValueError("activation checkpointing wraps model.layers; this module has none")
-    blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers
+    blocks = blocks_of(model)
     count = 0
     for block in blocks:
         if getattr(block, "_checkpointed", False):

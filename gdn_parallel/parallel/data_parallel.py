@@ -1,4 +1,4 @@
-"""Data parallelism over dp (and the gradient reduction over dp x cp), applied from outside (DESIGN §3).
+"""Data parallelism over dp (and the gradient reduction over dp x cp), applied from outside (docs/design.md §3).
 
 `apply_data_parallel(module, dims, config)` wraps a whole HybridLM or a pipeline-stage module (its
 blocks in `module.layers`, an nn.ModuleList or nn.ModuleDict):
@@ -33,9 +33,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ParallelConfig
+from ..model import blocks_of
 from .mesh import ParallelDims
 
-__all__ = ["apply_data_parallel", "clip_grad_norm", "global_label_count", "hsdp_mesh", "blocks_of"]
+__all__ = ["apply_data_parallel", "clip_grad_norm", "global_label_count", "hsdp_mesh"]
 
 
 # ---------------------------------------------------------------- meshes and blocks
@@ -59,15 +60,6 @@ def hsdp_mesh(dims: ParallelDims) -> DeviceMesh:
     ranks = ranks.contiguous()
     return DeviceMesh.from_group([mesh.get_group("cp"), mesh.get_group("dp")], mesh.device_type,
                                  mesh=ranks, mesh_dim_names=("cp", "dp"))
-
-
-def blocks_of(module: nn.Module) -> list:
-    """The blocks of a HybridLM or a pipeline stage: the modules in `module.layers`."""
-    layers = getattr(module, "layers", None)
-    if layers is None:
-        return []
-    values = layers.values() if isinstance(layers, (nn.ModuleDict, dict)) else layers
-    return [m for m in values if isinstance(m, nn.Module)]
 
 
 def _param_attributes(module: nn.Module) -> dict:
@@ -107,8 +99,8 @@ def _apply_fsdp(module, dims, param_dtype, reduce_dtype):
     kwargs = {"mesh": mesh}
     if param_dtype is not None:
         # cast_forward_inputs=False: FSDP2 would rebuild every dataclass in the inputs on each
-        # wrapped module (dataclasses.replace), copying SequenceInfo -> CPContext -> its `pending`
-        # list of in-flight isends, so the sends would be tracked in a copy nobody waits on.
+        # wrapped module (dataclasses.replace), copying SequenceInfo -> CPContext -> its outbox
+        # of in-flight isends, so the sends would be tracked in a copy nobody waits on.
         # Nothing needs the cast: hidden states come out of the bf16 embedding already in bf16.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                                    cast_forward_inputs=False)

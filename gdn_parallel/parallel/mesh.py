@@ -1,4 +1,4 @@
-"""The device mesh pp x dp x cp x tp (innermost last, DESIGN §3) and the groups cut from it."""
+"""The device mesh pp x dp x cp x tp (innermost last, docs/design.md §3) and the groups cut from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

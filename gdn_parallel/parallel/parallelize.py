@@ -1,4 +1,4 @@
-"""One entry point: apply every parallel dimension to the single-device model (DESIGN §3).
+"""One entry point: apply every parallel dimension to the single-device model (docs/design.md §3).
 
 Order: tensor parallelism (slices the weights in place) -> pipeline stages (share those weights)
 -> data parallelism (FSDP2 shards over dp and replicates over cp; or DDP over dp x cp). Context
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ParallelConfig
+from ..comm import sends_finished
+from ..config import IGNORE_INDEX, ParallelConfig
 from ..model import HybridLM
+from .batch import all_reduce_gradients, shard_batch
 from .checkpointing import apply_activation_checkpointing
-from .context import wait_pending_sends
-from .cp.batch import all_reduce_gradients, shard_batch
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from .mesh import ParallelDims
 from .pipeline import as_microbatch, build_pipeline
@@ -55,10 +55,12 @@ class ParallelModel:
 
         Gradients end reduced over every dimension; returns the step's global mean loss (same on
         every rank)."""
-        local_labels = sum(int((row.labels != -100).sum()) for row in rows)
+        local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
         normalizer = max(global_label_count(local_labels, self.dims), 1)
         microbatches = [self._shard(row) for row in rows]
-        with _autocast(autocast_dtype, rows[0].input_ids.device):
+        # The messages of a step's context parallelism live as long as the step.
+        plans = [getattr(mb, "context", None) for mb in microbatches]
+        with sends_finished(plans), _autocast(autocast_dtype, rows[0].input_ids.device):
             if self.runner is not None:
                 loss = self.runner.step(microbatches, label_normalizer=normalizer)
             else:
@@ -83,10 +85,8 @@ class ParallelModel:
             with self._gradient_sync(last):
                 mb = as_microbatch(mb, self.model)
                 out = self.train_module(mb.input_ids, labels=mb.labels, seq=mb.seq)
-                wait_pending_sends()
                 loss = out.loss_sum / normalizer
                 loss.backward()
-                wait_pending_sends()
             total = loss.detach() if total is None else total + loss.detach()
         return total
 

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import sends_finished
 from ..config import ConfigError, ModelConfig, ParallelConfig
-from ..model.hybrid_lm import Block, HybridLM
+from ..model.hybrid_lm import Block, HybridLM, mixer_flops_per_token
 from ..model.loss import lm_head_loss
 from ..model.sequence import SequenceInfo
-from .context import wait_pending_sends
 
 __all__ = ["Microbatch", "PipelineRunner", "StageModule", "as_microbatch", "build_pipeline",
            "stage_costs", "stage_ids_for_rank", "stage_layer_ranges"]
@@ -45,15 +45,6 @@ DEFAULT_BALANCE_SEQ_LEN = 4096
 # ---------------------------------------------------------------------------------------------
 # Balancing the layers over the stages
 # ---------------------------------------------------------------------------------------------
-def _mixer_flops_per_token(symbol: str, config: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of a token mixer beyond its matmul parameters (HybridLM.flops_per_token)."""
-    if symbol in "SA":
-        visible = min(config.window_size, seq_len) if symbol == "S" else seq_len / 2
-        return 4 * visible * config.attn_num_heads * config.attn_dim
-    C, K, V = config.gdn_chunk_size, config.gdn_head_dim, config.head_v_dim
-    return config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
-
-
 def _block_parameters(symbol: str, config: ModelConfig) -> int:
     with torch.device("meta"):
         block = Block(symbol, config)
@@ -70,7 +61,7 @@ def stage_costs(model_config: ModelConfig, seq_len: int = DEFAULT_BALANCE_SEQ_LE
     lm_head and the loss (about one softmax over the vocabulary per token) toward the last.
     """
     params = {s: _block_parameters(s, model_config) for s in set(model_config.layer_types)}
-    layers = [params[s] + _mixer_flops_per_token(s, model_config, seq_len) / 2
+    layers = [params[s] + mixer_flops_per_token(s, model_config, seq_len) / 2
               for s in model_config.layer_types]
     vocab, hidden = model_config.vocab_size, model_config.hidden_size
     first = vocab * hidden
@@ -140,7 +131,7 @@ class Microbatch:
     """What the pipeline needs about one microbatch: the first stage's tokens, the last stage's
     labels and the sequence info every stage's token mixers read."""
     input_ids: torch.Tensor     # [B, T]
-    labels: torch.Tensor        # [B, T], -100 where no target
+    labels: torch.Tensor        # [B, T], IGNORE_INDEX where no target
     seq: SequenceInfo
 
 
@@ -376,8 +367,21 @@ class PipelineRunner:
                                  f"{tuple(mb.labels.shape)}; every microbatch of a step must have "
                                  f"the shape of microbatch 0, {shape} (pipeline buffers are static)")
         self._label_normalizer = float(max(label_normalizer, 1))
-        if self.pp_size == 1:
-            return self._step_single(mbs)
+        with sends_finished(mb.seq.cp for mb in mbs):  # context-parallel sends inside the stages
+            if self.pp_size == 1:
+                return self._step_single(mbs)
+            losses = self._run_schedule(mbs, shape)
+        if self.tied:
+            self._sum_tied_gradients()
+        loss = torch.stack([mb_loss.detach() for mb_loss in losses]).sum() if self.has_last_stage else None
+        if broadcast_loss:
+            if loss is None:
+                loss = torch.zeros((), dtype=self.stage_modules[-1].loss_dtype, device=self.device)
+            dist.broadcast(loss, src=self._global_rank(self.num_stages - 1), group=self.pp_group)
+        return loss
+
+    def _run_schedule(self, mbs: List[Microbatch], shape: tuple) -> list:
+        """The torch pipeline schedule over the micro-batches; the last stage's losses."""
         schedule = self._ensure_schedule(len(mbs), shape)
         for module in self.stage_modules:
             module.set_microbatches(mbs)
@@ -392,17 +396,9 @@ class PipelineRunner:
                 kwargs["return_outputs"] = False
             schedule.step(*args, **kwargs)
         finally:
-            wait_pending_sends()   # context-parallel sends started inside the stages
             for module in self.stage_modules:
                 module.set_microbatches(None)
-        if self.tied:
-            self._sum_tied_gradients()
-        loss = torch.stack([mb_loss.detach() for mb_loss in losses]).sum() if self.has_last_stage else None
-        if broadcast_loss:
-            if loss is None:
-                loss = torch.zeros((), dtype=self.stage_modules[-1].loss_dtype, device=self.device)
-            dist.broadcast(loss, src=self._global_rank(self.num_stages - 1), group=self.pp_group)
-        return loss
+        return losses
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Any], label_normalizer: float) -> torch.Tensor:
@@ -420,22 +416,22 @@ class PipelineRunner:
         for module in self.stage_modules:
             module.set_microbatches(mbs)
         try:
-            for index, mb in enumerate(mbs):
-                for module in self.stage_modules:
-                    if module.is_first:
-                        x = mb.input_ids.to(self.device)
-                    else:
-                        x = torch.empty(*mb.input_ids.shape, hidden, dtype=module.hidden_dtype,
-                                        device=self.device)
-                        dist.recv(x, src=self._global_rank(module.stage_id - 1), group=self.pp_group)
-                    with module.running(index):
-                        out = module(x)
-                    if module.is_last:
-                        total += out / normalizer
-                    else:
-                        dist.send(out, dst=self._global_rank(module.stage_id + 1), group=self.pp_group)
+            with sends_finished(mb.seq.cp for mb in mbs):
+                for index, mb in enumerate(mbs):
+                    for module in self.stage_modules:
+                        if module.is_first:
+                            x = mb.input_ids.to(self.device)
+                        else:
+                            x = torch.empty(*mb.input_ids.shape, hidden, dtype=module.hidden_dtype,
+                                            device=self.device)
+                            dist.recv(x, src=self._global_rank(module.stage_id - 1), group=self.pp_group)
+                        with module.running(index):
+                            out = module(x)
+                        if module.is_last:
+                            total += out / normalizer
+                        else:
+                            dist.send(out, dst=self._global_rank(module.stage_id + 1), group=self.pp_group)
         finally:
-            wait_pending_sends()
             for module in self.stage_modules:
                 module.set_microbatches(None)
         if self.pp_size > 1:
@@ -452,14 +448,11 @@ class PipelineRunner:
         """pp = 1: the same math, microbatch after microbatch (gradient accumulation)."""
         (module,) = self.stage_modules
         total = None
-        try:
-            for mb in mbs:
-                loss = module(mb.input_ids.to(self.device), seq=mb.seq, labels=mb.labels)
-                loss = loss / self._label_normalizer
-                loss.backward()
-                total = loss.detach() if total is None else total + loss.detach()
-        finally:
-            wait_pending_sends()
+        for mb in mbs:
+            loss = module(mb.input_ids.to(self.device), seq=mb.seq, labels=mb.labels)
+            loss = loss / self._label_normalizer
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
         return total
 
     def _sum_tied_gradients(self) -> None:

@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism, applied to the single-device HybridLM from outside (DESIGN §3).
+"""Megatron-style tensor parallelism, applied to the single-device HybridLM from outside (docs/design.md §3).
 
 `apply_tensor_parallel(model, tp_group, sequence_parallel)` runs after the full model was
 initialised identically on every rank; each rank keeps its slice of the full weights:
@@ -39,8 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import Attention, GatedDeltaNet, HybridLM, SwiGLU
-from .cp.batch import all_reduce_flat
+from ..model import Attention, GatedDeltaNet, HybridLM, SwiGLU, blocks_of
+from ..ops.cross_entropy import linear_cross_entropy
+from .batch import all_reduce_flat
 from .tensor_collectives import (all_gather_dim, copy_to_tp, gather_sequence, reduce_from_tp,
                                  reduce_scatter_sequence, split_sequence, vocab_parallel_cross_entropy)
 
@@ -65,8 +66,7 @@ def apply_tensor_parallel(model: HybridLM, tp_group, sequence_parallel: bool = F
     plan = TensorParallelPlan(tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group),
                               sequence_parallel)
     shard = _Sharder(plan.size, plan.rank)
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in layers:
+    for block in blocks_of(model):
         if isinstance(block.attn, GatedDeltaNet):
             _shard_gdn(block.attn, shard)
         elif isinstance(block.attn, Attention):
@@ -250,7 +250,6 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from gdn_kernels.linear_cross_entropy import linear_cross_entropy  # only when switched on
         plan = self.plan
         hidden = (gather_sequence if plan.sequence_parallel else copy_to_tp)(hidden, plan.group)
         return linear_cross_entropy(hidden, weight, labels, vocab_start=plan.rank * weight.shape[0],

@@ -1,4 +1,4 @@
-"""Autograd-aware collectives of tensor parallelism (Megatron's region boundaries, DESIGN §3).
+"""Autograd-aware collectives of tensor parallelism (Megatron's region boundaries, docs/design.md §3).
 
 Inside a tensor-parallel region every rank runs plain local layers on its shard of the heads; the
 communication sits only where a region is entered and left. Each boundary is a
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-IGNORE_INDEX = -100
+from ..config import IGNORE_INDEX
+
 SEQ_DIM = 1
 
 # Newer torch renamed the flat-tensor collectives (the old names warn); gloo and NCCL take both.

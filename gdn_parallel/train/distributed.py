@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
-from ..data.corpus import BYTE_VOCAB_SIZE, load_corpus
+from ..data.corpus import load_corpus
 from ..data.packing import packed_batches
+from ..ops.triton_dispatch import check_kernel_config
 from .loop import param_groups
 from .progress import ProgressLogger, format_duration, peak_flops_per_s
 from .schedule import schedule_from_config
@@ -39,9 +40,7 @@ def run_distributed_training(config: Config, print_fn=None) -> dict:
         if train.dtype == "float16":
             raise ConfigError("train.dtype=float16 needs a gradient scaler, which sharded training does not "
                               "use here; use bfloat16 or float32")
-        if config.model.vocab_size < BYTE_VOCAB_SIZE:
-            raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                              f"{BYTE_VOCAB_SIZE} byte tokens of data.source={config.data.source!r}")
+        check_kernel_config(config.model, cuda, train.dtype)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)

@@ -15,8 +15,9 @@ from typing import Iterable, List, Optional
 import torch
 
 from ..config import Config, ConfigError
-from ..data.corpus import BYTE_VOCAB_SIZE, load_corpus
+from ..data.corpus import load_corpus
 from ..data.packing import PackedBatch, packed_batches
+from ..ops.triton_dispatch import check_kernel_config
 from .progress import ProgressLogger, format_duration, peak_flops_per_s
 from .schedule import schedule_from_config
 
@@ -103,13 +104,11 @@ def run_training(config: Config, print_fn=None) -> dict:
     config.validate()
     train = config.train
     say = print_fn or (lambda line: print(line, flush=True))
-    if config.model.vocab_size < BYTE_VOCAB_SIZE:
-        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                          f"{BYTE_VOCAB_SIZE} byte tokens of data.source={config.data.source!r}")
     torch.manual_seed(train.seed)
     if train.threads > 0:
         torch.set_num_threads(train.threads)
     device = resolve_device(train.device)
+    check_kernel_config(config.model, device.type == "cuda", train.dtype)
     if device.type == "cuda":
         if device.index is not None:
             torch.cuda.set_device(device)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import triton
 
-from gdn_parallel.ops.gated_delta_rule.layout import build_layout
+from ..chunk_layout import build_layout
 
 from . import backward as bwd
 from . import forward as fwd

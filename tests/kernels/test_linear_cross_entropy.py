@@ -13,7 +13,8 @@ from tests.kernels.helpers import device, gpu_only, rel_err
 from tests.seeds import generator, seed_torch
 
 import gdn_kernels.linear_cross_entropy as lce  # noqa: E402  (after helpers: skips without triton)
-from gdn_kernels.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy  # noqa: E402
+from gdn_parallel.config import IGNORE_INDEX  # noqa: E402
+from gdn_parallel.ops.cross_entropy import linear_cross_entropy  # noqa: E402
 
 GRAD_SCALE = 2.5  # backward with a grad_output other than 1: the stored gradients are scaled
 

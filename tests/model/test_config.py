@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gdn_parallel.config import Config, ConfigError, ModelConfig, TrainConfig
-from gdn_parallel.ops.triton_dispatch import kernel_module
+from gdn_parallel.ops.triton_dispatch import check_kernel_config, kernel_module
 from tools.count_params import count_parameters
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -205,17 +205,27 @@ def test_configs_built_in_code_are_held_to_the_same_rules():
         ModelConfig(norm_eps=-1).validate()
 
 
-def test_triton_gdn_on_cpu_fails_at_load(monkeypatch):
+# What a config asks of the Triton kernels is checked at start-up (check_kernel_config, called by both
+# trainers before the model is built): the config module sits below the ops and knows no kernels.
+def test_triton_gdn_on_cpu_fails_at_start_up(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run it on CPU
+    config = Config.from_yaml(TINY, ["model.gdn_impl=triton", "train.device=cpu"])
     with pytest.raises(ConfigError, match="model.gdn_impl"):
-        Config.from_yaml(TINY, ["model.gdn_impl=triton", "train.device=cpu"])
+        check_kernel_config(config.model, on_cuda=False, dtype="float32")
 
 
 @pytest.mark.skipif(kernel_module("gated_delta_rule") is None, reason="needs triton")
-def test_triton_chunk_size_is_the_kernels(monkeypatch):
+def test_triton_chunk_size_is_the_kernels():
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
-        Config.from_yaml(TINY, ["model.gdn_impl=triton", "model.gdn_chunk_size=32"])
-    Config.from_yaml(TINY, ["model.gdn_chunk_size=32"])  # auto runs the PyTorch chunks on CPU
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where auto picks the kernels
-    with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
-        Config.from_yaml(TINY, ["model.gdn_chunk_size=32"])
+        check_kernel_config(ModelConfig(gdn_impl="triton", gdn_chunk_size=32), on_cuda=True, dtype="bfloat16")
+    check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=False, dtype="float32")  # auto: PyTorch chunks
+    with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):  # auto on CUDA runs the kernels
+        check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=True, dtype="bfloat16")
+
+
+def test_fp32_wide_gdn_heads_on_cuda_fail_at_start_up():
+    wide = ModelConfig(gdn_head_dim=256, gdn_expand_v=1.0, hidden_size=256)
+    with pytest.raises(ConfigError, match="model.gdn_head_dim=256"):
+        check_kernel_config(wide, on_cuda=True, dtype="float32")
+    check_kernel_config(wide, on_cuda=True, dtype="bfloat16")
+    check_kernel_config(ModelConfig(gdn_head_dim=128, gdn_expand_v=2.0), on_cuda=True, dtype="float32")

@@ -110,7 +110,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_device_copies_of_boundaries_are_made_once_and_follow_edits():
     """Ops keep one device copy of host boundaries per tensor (a copy per layer would sync the GPU)."""
-    from gdn_parallel.ops.validation import _device_copies, on_device
+    from gdn_kernels.host_index import _device_copies, on_device
 
     cu = torch.tensor([0, 3, 8])
     first = on_device(cu, "meta")

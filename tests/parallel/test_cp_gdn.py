@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
-from gdn_parallel.parallel.context import CPContext
+from gdn_parallel.comm import CPContext
 from tests.compare import assert_close_set
 from tests.ops.gdn_inputs import gdn_inputs
 from tests.parallel.launcher import run_workers
@@ -43,12 +43,11 @@ def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size, 
     ending = [d for d in range(len(cu) - 1) if s < cu[d + 1] <= e]
     q, k, v, g, beta = (x.detach()[:, s:e].clone().requires_grad_() for x in inputs[:5])
     h0 = inputs[5].detach()[starting].clone().requires_grad_()
-    o, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                             cu_seqlens=torch.tensor(cu), cp_group=dist.group.WORLD,
-                             cp_algorithm=algorithm, chunk_size=chunk_size, impl=impl)
+    o, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cp=cp,
+                             chunk_size=chunk_size, impl=impl)
     loss = (o * do[:, s:e]).sum() + (ht * dht[ending]).sum()
     loss.backward()
-    cp.wait_pending()
+    cp.finish()
 
     tag = f"cu={cu}, {algorithm}, rank {rank}"
     assert_close_set({"o": o}, {"o": o_ref[:, s:e]}, tol, tag)
@@ -105,18 +104,18 @@ def check_gate_activation_case(rank, world, cu, algorithm):
     cp = CPContext.build(dist.group.WORLD, torch.tensor(cu), total // world, algorithm)
     s, e = cp.start, cp.end
 
-    def grads(impl, shard, **cp_args):
+    def grads(impl, shard):
         leaves = [x.detach()[:, s:e] if shard else x.detach() for x in (q, k, v, a, b)]
         leaves = [x.clone().requires_grad_() for x in leaves + [A_log, dt_bias]]
-        o, _ = gated_delta_rule(*leaves[:5], cu_seqlens=torch.tensor(cu), impl=impl, chunk_size=64,
-                                decay_params=tuple(leaves[5:]), beta_activation="2sigmoid", use_qk_l2norm=True,
-                                **cp_args)
+        where = dict(cp=cp) if shard else dict(cu_seqlens=torch.tensor(cu))
+        o, _ = gated_delta_rule(*leaves[:5], impl=impl, chunk_size=64, decay_params=tuple(leaves[5:]),
+                                beta_activation="2sigmoid", use_qk_l2norm=True, **where)
         (o * (do[:, s:e] if shard else do)).sum().backward()
         return [o.detach()] + [x.grad for x in leaves]
 
     expected = grads("chunk", False)
-    actual = grads("triton", True, cp_group=dist.group.WORLD, cp_algorithm=algorithm)
-    cp.wait_pending()
+    actual = grads("triton", True)
+    cp.finish()
     for p in actual[6:]:
         dist.all_reduce(p)
     tag = f"{algorithm}, rank {rank}"

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gdn_parallel.comm import CPContext
 from gdn_parallel.ops.attention import attention
 from gdn_parallel.ops.short_conv import causal_conv1d
 from tests.compare import assert_close_set, is_degenerate, set_size
@@ -32,10 +33,10 @@ def conv_case(rank, world, total, cu, width, seed):
     s, e = rank * L, (rank + 1) * L
     x_l = x.detach()[:, s:e].clone().requires_grad_()
     w_l, b_l = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
-    y_l = causal_conv1d(x_l, w_l, b_l, cu_seqlens=cu_t, cp_group=dist.group.WORLD)
+    cp = CPContext.build(dist.group.WORLD, cu_t, L)
+    y_l = causal_conv1d(x_l, w_l, b_l, cp=cp)
     (y_l * dy[:, s:e]).sum().backward()
-    from gdn_parallel.parallel.context import wait_pending_sends
-    wait_pending_sends()
+    cp.finish()
     tag = f"conv cu={cu} width={width} rank={rank}"
     assert_close_set({"y": y_l}, {"y": y[:, s:e]}, 1e-12, tag)
     assert_close_set({"dx": x_l.grad, "dw": summed(w_l.grad), "db": summed(b_l.grad)},
@@ -55,10 +56,10 @@ def attention_case(rank, world, total, cu, window, seed, H=4, HKV=2):
     L = total // world
     s, e = rank * L, (rank + 1) * L
     local = [t.detach()[:, s:e].clone().requires_grad_() for t in (q, k, v)]
-    o_l = attention(*local, window=window, cu_seqlens=cu_t, impl="sdpa", cp_group=dist.group.WORLD)
+    cp = CPContext.build(dist.group.WORLD, cu_t, L)
+    o_l = attention(*local, window=window, impl="sdpa", cp=cp)
     (o_l * do[:, s:e]).sum().backward()
-    from gdn_parallel.parallel.context import wait_pending_sends
-    wait_pending_sends()
+    cp.finish()
     tag = f"attention cu={cu} window={window} rank={rank}"
     assert_close_set({"o": o_l}, {"o": o[:, s:e]}, 1e-12, tag)
     names = ("dq", "dk", "dv")
@@ -91,10 +92,9 @@ def test_cp_conv_and_attention_match_single_process(world):
 
 
 def conv_impl_case(rank, world):
-    """impl="triton" under cp_group runs the Triton kernel on the shard + halo (counted through a
+    """impl="triton" under cp runs the Triton kernel on the shard + halo (counted through a
     wrapper) and matches impl="torch": output and gradients, fp32 (the interpreter on CPU)."""
-    import gdn_parallel.ops.short_conv as sc
-    from gdn_parallel.parallel.context import wait_pending_sends
+    import gdn_parallel.ops.short_conv.local as sc
     kernel, calls = sc._triton_kernel(), []
     sc._triton_kernel = lambda: lambda *args: calls.append(1) or kernel(*args)  # this process only
     # shards of 8 tokens with halos from one rank, then shards of 2 tokens (kernel 4: two hops)
@@ -108,9 +108,10 @@ def conv_impl_case(rank, world):
         for impl in ("torch", "triton"):
             leaves = [t.clone().requires_grad_() for t in (x, w, b)]
             before = len(calls)
-            y = causal_conv1d(*leaves, cu_seqlens=torch.tensor(cu), cp_group=dist.group.WORLD, impl=impl)
+            cp = CPContext.build(dist.group.WORLD, torch.tensor(cu), L)
+            y = causal_conv1d(*leaves, cp=cp, impl=impl)
             (y * dy).sum().backward()
-            wait_pending_sends()
+            cp.finish()
             assert (len(calls) > before) == (impl == "triton"), (impl, total, rank)
             results[impl] = [y.detach(), leaves[0].grad, summed(leaves[1].grad), summed(leaves[2].grad)]
         names = ("y", "dx", "dw", "db")

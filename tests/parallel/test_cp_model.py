@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.model import HybridLM
-from gdn_parallel.parallel.cp.batch import all_reduce_gradients, cp_loss, shard_batch
+from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
 from tests.compare import assert_close_set, rel_err
 from tests.parallel.launcher import run_workers
 from tests.parallel.batches import make_batch
@@ -38,7 +38,7 @@ def train_equal(rank, world, algorithm, window):
         shard = shard_batch(batch, rank, world, dist.group.WORLD, algorithm)
         loss = cp_loss(model, shard)
         loss.backward()
-        shard.context.wait_pending()
+        shard.context.finish()
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
         all_reduce_gradients(model, dist.group.WORLD)

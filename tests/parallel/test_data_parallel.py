@@ -11,7 +11,7 @@ from torch import nn
 
 from gdn_parallel.config import ModelConfig, ParallelConfig
 from gdn_parallel.model import HybridLM
-from gdn_parallel.parallel.cp.batch import cp_loss, shard_batch
+from gdn_parallel.parallel.batch import cp_loss, shard_batch
 from gdn_parallel.parallel.data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from gdn_parallel.parallel.mesh import build_mesh
 from tests.compare import assert_close_set, rel_err
@@ -85,7 +85,7 @@ def train_equal(rank, world, mode, dp, cp):
             count = global_label_count(shard.num_label_tokens, dims)
             with record_collectives([]) as calls:
                 loss = cp_loss(wrapped, shard) * (shard.num_label_tokens / count)
-            # DESIGN §2: data parallelism puts no collective over cp in the forward (parameter
+            # docs/design.md §2: data parallelism puts no collective over cp in the forward (parameter
             # all-gathers stay in dp). The one cp collective left is the model's own: the K/V
             # all-gather of the full-attention ('A') layer.
             dp_ranks = tuple(dist.get_process_group_ranks(dims.group("dp")))
@@ -99,7 +99,7 @@ def train_equal(rank, world, mode, dp, cp):
             loss = out.loss_sum / count
         loss.backward()
         if cp > 1:
-            shard.context.wait_pending()
+            shard.context.finish()
         assert count == sum(o.num_tokens for o in outs)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)

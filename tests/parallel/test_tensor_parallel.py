@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.model import HybridLM
-from gdn_parallel.parallel.cp.batch import all_reduce_gradients, cp_loss, shard_batch
+from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
 from gdn_parallel.parallel.tensor import (apply_tensor_parallel, full_tensor, reduce_tp_partial_grads,
                                           sequence_shard)
 from gdn_parallel.parallel.tensor_collectives import vocab_parallel_cross_entropy
@@ -60,7 +60,7 @@ def train_equal(tp_group, sequence_parallel, config, cp_group=None, tag="", tol=
         loss.backward()
         total_loss = loss.detach().clone()
         if cp_group is not None:
-            shard.context.wait_pending()
+            shard.context.finish()
             dist.all_reduce(total_loss, group=cp_group)
             all_reduce_gradients(model, cp_group)
         reduce_tp_partial_grads(model, tp_group)

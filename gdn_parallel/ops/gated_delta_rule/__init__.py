@@ -1,23 +1,25 @@
 """Gated delta rule: one public function per op, with its oracle (`naive`) beside the PyTorch chunked
-form (`chunk`) and, on CUDA, the Triton kernels (`triton`). See DESIGN §1."""
+form (`chunk`), on CUDA the Triton kernels (`triton`), and the context-parallel form (cp.py). See
+docs/design.md §1-2."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from gdn_kernels.chunk_layout import build_layout
+
+from ...comm import CPContext
+from ...config import CP_ALGORITHMS, GDN_IMPLS, MAX_HEAD_DIM
 from ..triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
 from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_factors, chunk_gated_delta_rule
+from .cp import cp_gated_delta_rule
 from .gates import activate_gates, check_gate_args
-from .layout import build_layout
 from .naive import naive_recurrence
 from .summary import fold_chunk_transitions
 
-IMPLS = ("auto", "naive", "chunk", "triton")
-MAX_HEAD_DIM = 256
-
-__all__ = ["gated_delta_rule", "summarize_segment", "l2_normalize", "IMPLS"]
+__all__ = ["gated_delta_rule", "summarize_segment", "l2_normalize"]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -33,9 +35,8 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
                      initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                      cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm: bool = False,
-                     impl: str = "auto", chunk_size: int = 64, cp_group=None,
-                     cp_algorithm: Optional[str] = None, decay_params=None,
-                     beta_activation: Optional[str] = None):
+                     impl: str = "auto", chunk_size: int = 64, cp: Optional[CPContext] = None,
+                     decay_params=None, beta_activation: Optional[str] = None):
     """Run the gated delta rule over [B, T] tokens (or one packed row of documents).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head j reads q/k head
@@ -43,11 +44,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     N = B, or the number of documents when `cu_seqlens` [N + 1] describes a packed row (B = 1).
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None).
 
-    Context parallelism: with `cp_group` (a process group, or a prebuilt
-    `gdn_parallel.parallel.context.CPContext`) the tensors are this rank's contiguous 1/cp slice of
-    one packed row, `cu_seqlens` are the *global* boundaries, `cp_algorithm` is "relay" (default) or
-    "allgather"; `initial_state` holds the documents that start on this rank and the final states
-    returned are those of the documents that end on it (DESIGN §2).
+    Context parallelism: with `cp` (the row's plan, `gdn_parallel.comm.CPContext`, which holds the
+    global document boundaries and the algorithm, "relay" or "allgather"; give no `cu_seqlens`) the
+    tensors are this rank's contiguous 1/cp slice of one packed row; `initial_state` holds the
+    documents that start on this rank and the final states returned are those of the documents that
+    end on it (docs/design.md §2).
 
     Activations (the Triton kernels fuse them into their first launch): with `decay_params` =
     (A_log, dt_bias), [HV] each, g holds the logits a of g = -exp(A_log) * softplus(a + dt_bias);
@@ -56,7 +57,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     check_gate_args(decay_params, beta_activation, v.shape[2] if v.dim() == 4 else 0)
     B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size,
                                       g_is_decay=decay_params is None)
-    if cp_group is None:
+    if cp is None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
         num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if initial_state is not None and initial_state.shape[0] != num_seqs:
@@ -71,7 +72,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
     gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
     if use_qk_l2norm and impl != "triton":
         q, k = l2_normalize(q), l2_normalize(k)
-    if impl == "triton" and cp_group is None:  # the kernels read grouped q/k heads in place
+    if impl == "triton" and cp is None:  # the kernels read grouped q/k heads in place
         return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
                        gates)
     if impl != "triton":
@@ -79,9 +80,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
         gates = {}
     if HV != H and impl != "triton":  # the kernels read grouped q/k heads in place (under CP too)
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    if cp_group is not None:
+    if cp is not None:
         return _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 impl, chunk_size, cp_group, cp_algorithm, gates)
+                                 impl, chunk_size, cp, gates)
 
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     if impl == "naive":
@@ -95,16 +96,19 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
 
 
 def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                      impl, chunk_size, cp_group, cp_algorithm, gates):
+                      impl, chunk_size, cp: CPContext, gates):
     """q, k normalised and expanded to the value heads by the caller, except with impl "triton" (the
     kernels do both); `gates` the activations left to the kernels (empty when already applied)."""
-    from ...parallel.context import as_cp_context
-    from ...parallel.cp.gdn import cp_gated_delta_rule
-
     if impl == "naive":
         raise ValueError("impl='naive' is the single-process oracle; context parallelism runs the chunk "
                          "algorithm (impl='chunk' or 'auto')")
-    cp = as_cp_context(cp_group, cu_seqlens, q.shape[1], cp_algorithm, q.device)
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens and cp exclude each other: the context-parallel plan holds the row's "
+                         "global document boundaries (CPContext.build(group, cu_seqlens, local_len))")
+    if q.shape[1] != cp.local_len:
+        raise ValueError(f"the local tensors have {q.shape[1]} tokens but the CP plan has {cp.local_len} per rank")
+    if cp.algorithm not in CP_ALGORITHMS:
+        raise ValueError(f"the CP plan's algorithm {cp.algorithm!r} is not one of {CP_ALGORITHMS}")
     if impl == "triton":
         _check_triton(q, chunk_size)
     return cp_gated_delta_rule(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
@@ -205,8 +209,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size, g_is_decay=
                              f"{list(initial_state.shape)}")
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if impl not in GDN_IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {GDN_IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
     return B, T, H, K, HV, V

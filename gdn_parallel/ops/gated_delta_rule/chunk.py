@@ -1,4 +1,4 @@
-"""Chunked gated delta rule in PyTorch (DESIGN §1): runs anywhere, autograd through it.
+"""Chunked gated delta rule in PyTorch (docs/design.md §1): runs anywhere, autograd through it.
 
 Per chunk of C tokens, with gamma = cumsum(g) inside the chunk and Gamma_ij = exp(gamma_i - gamma_j):
     T = (I + strictLower(diag(beta) (Gamma o K K^T)))^-1 diag(beta)
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .layout import ChunkLayout
+from gdn_kernels.chunk_layout import ChunkLayout
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The oracle: the gated delta rule one token at a time, exactly as written in DESIGN §1.
+"""The oracle: the gated delta rule one token at a time, exactly as written in docs/design.md §1.
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 

@@ -3,7 +3,7 @@
 The gated delta rule is affine in the state, so each chunk is a pair (M_c, S_c) with
 M_c = exp(gamma_C) I - (K o exp(gamma_C - gamma))^T W and S_c = (K o exp(gamma_C - gamma))^T U, and
 pairs compose associatively: (M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2). The chunk pairs are computed
-all at once and folded pairwise in log2(chunks) rounds (DESIGN §2, the allgather algorithm).
+all at once and folded pairwise in log2(chunks) rounds (docs/design.md §2, the allgather algorithm).
 """
 from __future__ import annotations
 

@@ -14,13 +14,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
-from .validation import check_cu_seqlens, on_device
+from gdn_kernels.host_index import on_device
 
-__all__ = ["causal_conv1d", "causal_conv1d_naive"]
+from ...config import CONV_IMPLS
+from ..triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
+from ..validation import check_cu_seqlens
+
+__all__ = ["causal_conv1d", "causal_conv1d_naive", "check_conv_args", "resolve_impl"]
 
 _ACTIVATIONS = (None, "silu", "swish")
-_IMPLS = ("auto", "torch", "triton")
 
 
 def _triton_kernel():
@@ -28,9 +30,9 @@ def _triton_kernel():
     return kernel_module("short_conv").triton_causal_conv1d
 
 
-def _resolve_impl(impl: str, x: torch.Tensor) -> str:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+def resolve_impl(impl: str, x: torch.Tensor) -> str:
+    if impl not in CONV_IMPLS:
+        raise ValueError(f"impl must be one of {CONV_IMPLS}, got {impl!r}")
     if impl == "auto":
         return "triton" if auto_uses_triton(x, "short_conv") else "torch"
     if impl == "triton":
@@ -38,7 +40,7 @@ def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     return impl
 
 
-def _check(x, weight, bias, activation, cu_seqlens, prefix):
+def check_conv_args(x, weight, bias, activation, cu_seqlens, prefix):
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"x must be a 3-D tensor [B, T, D], got {getattr(x, 'shape', type(x).__name__)}")
     if not x.is_floating_point():
@@ -72,21 +74,15 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
-                  prefix: Optional[torch.Tensor] = None, cp_group=None,
-                  impl: str = "auto") -> torch.Tensor:
-    """Vectorised causal depthwise conv: x [B, T, D], weight [D, W] -> y [B, T, D] (x's dtype).
-
-    With `cp_group` (a process group plus the global `cu_seqlens`, or a prebuilt CPContext) x is
-    this rank's shard of one packed row and the previous W-1 tokens of the same document arrive
-    from the previous rank(s) as a halo (DESIGN §2).
+                  prefix: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
+    """Vectorised causal depthwise conv on one device: x [B, T, D], weight [D, W] -> y [B, T, D]
+    (x's dtype).
 
     `impl`: "torch" (this file, runs anywhere), "triton" (the fused kernel of gdn_kernels.short_conv)
     or "auto" (triton for CUDA fp16/bf16/fp32 tensors when it imports, torch otherwise).
     """
-    if cp_group is not None:
-        return _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group, impl)
-    cu = _check(x, weight, bias, activation, cu_seqlens, prefix)
-    if _resolve_impl(impl, x) == "triton":
+    cu = check_conv_args(x, weight, bias, activation, cu_seqlens, prefix)
+    if resolve_impl(impl, x) == "triton":
         return _triton_kernel()(x, weight, bias, activation, cu, prefix)
     B, T, D = x.shape
     W = weight.shape[1]
@@ -114,26 +110,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return _activate(y, activation)
 
 
-def _context_parallel(x, weight, bias, activation, cu_seqlens, prefix, cp_group, impl):
-    from ..parallel.context import as_cp_context
-    from ..parallel.cp.conv import cp_causal_conv1d
-
-    _check(x, weight, bias, activation, None, prefix)
-    _resolve_impl(impl, x)  # fail early, before the halo exchange; the local conv resolves it again
-    if prefix is not None:
-        raise ValueError("prefix and cp_group exclude each other: under context parallelism the prefix "
-                         "is the halo received from the previous rank")
-    if x.shape[0] != 1:
-        raise ValueError(f"context parallelism takes one packed row: x has batch {x.shape[0]}")
-    cp = as_cp_context(cp_group, cu_seqlens, x.shape[1], None, x.device)
-    return cp_causal_conv1d(x, weight, bias, activation, cp, impl=impl)
-
-
 def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                         activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
                         prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Token-loop oracle of `causal_conv1d` (slow; for tests)."""
-    cu = _check(x, weight, bias, activation, cu_seqlens, prefix)
+    cu = check_conv_args(x, weight, bias, activation, cu_seqlens, prefix)
     B, T, D = x.shape
     W = weight.shape[1]
     starts = [0] if cu is None else cu[:-1].tolist()

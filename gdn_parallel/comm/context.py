@@ -1,24 +1,43 @@
-"""The context-parallel plan of one packed row, built once per batch (DESIGN §2).
+"""The context-parallel plan of one packed row, built once per batch (docs/design.md §2).
 
 A packed row of `total` tokens with global document boundaries `cu_seqlens` is split contiguously
 over the `size` ranks of a CP group, `total / size` tokens each. Each boundary between two ranks is
 crossed by at most one document, so every hand-over (a GDN state, a conv or attention halo) is a
 single message from rank r to rank r + 1, and only ranks a document spans exchange its data.
+
+The plan also owns the asynchronous sends started on its behalf (`Outbox`): a send's handle must
+outlive the op that started it (else the transfer may be cancelled) and is waited on once, when
+the step that built the plan is done with it (`CPContext.finish`).
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-CP_ALGORITHMS = ("relay", "allgather")
 
-# Asynchronous sends not yet waited on, shared by every context of the process: a send's handle
-# must outlive the op (and the context) that started it, or the transfer may be cancelled.
-_PENDING_SENDS: list = []
+class Outbox:
+    """Asynchronous sends not yet waited on. Completed ones are dropped as new ones arrive, so a
+    long step holds only the sends whose receivers have not posted yet."""
+
+    def __init__(self):
+        self._works: list = []
+
+    def post(self, work) -> None:
+        self._works = [w for w in self._works if not w.is_completed()]
+        self._works.append(work)
+
+    def wait(self) -> None:
+        """Each send completes once its receive is posted; after the backward every receive is."""
+        while self._works:
+            self._works.pop(0).wait()
+
+    def __len__(self) -> int:
+        return len(self._works)
 
 
 @dataclass
@@ -28,9 +47,9 @@ class CPContext:
     size: int                       # CP degree
     global_cu: list                 # global document boundaries, python ints
     local_len: int
-    algorithm: str = "relay"
+    algorithm: str = "relay"       # relay | allgather (the GDN op's two algorithms, docs/design.md §2)
     device: torch.device = torch.device("cpu")
-    pending: list = field(default_factory=lambda: _PENDING_SENDS, repr=False)
+    outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -44,8 +63,6 @@ class CPContext:
         """
         size = dist.get_world_size(group) if size is None else size
         rank = dist.get_rank(group) if rank is None else rank
-        if algorithm not in CP_ALGORITHMS:
-            raise ValueError(f"cp_algorithm={algorithm!r} is not one of {CP_ALGORITHMS}")
         if local_len < 1:
             raise ValueError(f"the local shard has {local_len} tokens; every CP rank needs at least one "
                              f"(lower parallel.cp or use longer sequences)")
@@ -113,7 +130,7 @@ class CPContext:
     @property
     def local_cu_seqlens(self) -> torch.Tensor:
         """Host tensor, made once: the ops read boundaries on the host and keep one device copy
-        (ops.validation.on_device); a fresh device tensor per layer would sync the GPU each time."""
+        (gdn_kernels.host_index.on_device); a fresh device tensor per layer would sync the GPU each time."""
         cached = self.__dict__.get("_local_cu_cache")
         if cached is None:
             cached = self.__dict__["_local_cu_cache"] = torch.tensor(self.local_cu_list, dtype=torch.long)
@@ -172,15 +189,21 @@ class CPContext:
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def wait_pending(self) -> None:
-        """Wait for every asynchronous send started so far (each completes once its receive is
-        posted). Call after the forward and after the backward of a step."""
-        wait_pending_sends()
+    def finish(self) -> None:
+        """Wait for the sends started under this plan: call once its row's forward and backward (or
+        forward alone, in evaluation) have run."""
+        self.outbox.wait()
 
 
-def wait_pending_sends() -> None:
-    while _PENDING_SENDS:
-        _PENDING_SENDS.pop(0).wait()
+@contextlib.contextmanager
+def sends_finished(plans: Iterable[Optional["CPContext"]]):
+    """The extent of one step: when the block ends, every send started under these plans (None: a
+    row without context parallelism) has completed. After an error nothing is waited for: a peer
+    that failed would never post its receive."""
+    plans = [plan for plan in plans if plan is not None]
+    yield
+    for plan in plans:
+        plan.finish()
 
 
 def shard_bounds(total: int, cp_size: int, cp_rank: int, field_name: str = "the packed length") -> tuple:
@@ -195,21 +218,6 @@ def shard_bounds(total: int, cp_size: int, cp_rank: int, field_name: str = "the 
                          f"that is a multiple of the CP degree (no padding is added)")
     local = total // cp_size
     return cp_rank * local, (cp_rank + 1) * local
-
-
-def as_cp_context(cp_group, cu_seqlens: Optional[torch.Tensor], local_len: int,
-                  algorithm: Optional[str], device) -> CPContext:
-    """Ops accept a prebuilt CPContext (model level, built once per batch) or a process group plus
-    the global `cu_seqlens` (op level)."""
-    if isinstance(cp_group, CPContext):
-        if local_len != cp_group.local_len:
-            raise ValueError(f"the local tensors have {local_len} tokens but the CP context plans "
-                             f"{cp_group.local_len} per rank")
-        if algorithm is not None and algorithm != cp_group.algorithm:
-            return CPContext(cp_group.group, cp_group.rank, cp_group.size, cp_group.global_cu,
-                             cp_group.local_len, algorithm, cp_group.device, cp_group.pending)
-        return cp_group
-    return CPContext.build(cp_group, cu_seqlens, local_len, algorithm or "relay", device)
 
 
 def sequence_lengths(cu: Sequence[int]) -> list:

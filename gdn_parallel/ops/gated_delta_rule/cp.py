@@ -1,4 +1,4 @@
-"""Gated delta rule on a contiguous shard of a longer sequence (DESIGN §2).
+"""Gated delta rule on a contiguous shard of a longer sequence (docs/design.md §2).
 
 relay: post the receive of the incoming state, compute everything that does not need it (the
 chunk factors), wait, run the inter-chunk recurrence, send the final state to rank r + 1 at once,
@@ -21,11 +21,13 @@ from typing import Optional
 
 import torch
 
-from ...ops.gated_delta_rule.chunk import chunk_factors, chunk_outputs, chunk_recurrence
-from ...ops.gated_delta_rule.layout import build_layout
-from ...ops.gated_delta_rule.summary import fold_chunk_transitions
-from ..context import CPContext, sequence_lengths
-from .p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
+from gdn_kernels.chunk_layout import build_layout
+
+from ...comm.context import CPContext, sequence_lengths
+from ...comm.p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
+from ..triton_dispatch import kernel_module
+from .chunk import chunk_factors, chunk_outputs, chunk_recurrence
+from .summary import fold_chunk_transitions
 
 
 def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
@@ -110,8 +112,7 @@ def _gather_and_fold(m_last, s_last, cp: CPContext):
 
 
 def _triton(q, k, v, g, beta, scale, cp: CPContext, initial_state, output_final_state, incoming, gates):
-    from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
-
+    triton_gated_delta_rule = kernel_module("gated_delta_rule").triton_gated_delta_rule
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     starting = (torch.zeros(cp.docs_starting_here, HV, K, V, dtype=torch.float32, device=v.device)
                 if initial_state is None else initial_state.float())
@@ -132,8 +133,7 @@ def _triton_allgather_continuing(q, k, v, g, beta, scale, cp: CPContext, startin
     known, by linearity in that state: the first document starts from [0 | I] with values [V | 0],
     so its outputs come out as [o from a zero state | Q~] and its final state as [S_loc | M]; with
     the incoming state S_in, o = o_zero + Q~ S_in and the final state is S_loc + M S_in."""
-    from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
-
+    triton_gated_delta_rule = kernel_module("gated_delta_rule").triton_gated_delta_rule
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     values = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)
     eye = torch.eye(K, device=v.device).expand(1, HV, K, K)

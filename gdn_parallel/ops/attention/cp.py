@@ -11,11 +11,12 @@ from typing import Optional
 
 import torch
 
-from ...ops.attention import masked_attention
-from ...ops.validation import on_device
-from ..context import CPContext
-from .halo import exchange_halo
-from .p2p import all_gather, tie
+from gdn_kernels.host_index import on_device
+
+from ...comm.context import CPContext
+from ...comm.halo import exchange_halo
+from ...comm.p2p import all_gather, tie
+from .masked import masked_attention
 
 
 def cp_attention(q, k, v, *, window: Optional[int], scale, impl: str, cp: CPContext) -> torch.Tensor:

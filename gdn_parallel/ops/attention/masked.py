@@ -1,4 +1,4 @@
-"""Causal softmax attention: sliding window, grouped-query heads, packed documents.
+"""Causal softmax attention on one device: sliding window, grouped-query heads, packed documents.
 
 One mask rule covers every case. Query i may attend to key j iff
 
@@ -21,12 +21,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .rope import document_ids_from_cu_seqlens
-from .validation import check_cu_seqlens, values_checked
+from ...config import ATTENTION_IMPLS
+from ..rope import document_ids_from_cu_seqlens
+from ..validation import check_cu_seqlens, values_checked
 
-__all__ = ["masked_attention", "attention", "attention_reference"]
-
-_IMPLS = ("auto", "sdpa", "flex")
+__all__ = ["masked_attention", "row_attention", "attention_reference"]
 
 # Query rows per step when checking a dense mask, to bound memory (rows x keys booleans).
 _CHECK_ROWS = 4096
@@ -156,8 +155,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_ind
     """
     _check_qkv(q, k, v)
     _check_window(window)
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"scale must be None or a float, got {scale!r}")
     Tq, Tk = q.shape[1], k.shape[1]
@@ -196,32 +195,20 @@ def _row_indices(q, k, v, causal, window, cu_seqlens):
     return index, doc
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              window: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-              scale: Optional[float] = None, impl: str = "auto", cp_group=None) -> torch.Tensor:
-    """Causal (optionally sliding-window) attention over a row, q/k/v of the same length T.
-
-    q [B, T, H, D], k [B, T, HKV, D], v [B, T, HKV, Dv] -> [B, T, H, Dv]. `window` is the number
-    of keys a query sees, itself included (None: full causal). With `cu_seqlens` (batch 1) the
-    documents of the packed row do not see each other. Only causal=True is supported.
-
-    With `cp_group` (a process group plus the global `cu_seqlens`, or a prebuilt CPContext) the
-    tensors are this rank's shard of one packed row: a sliding window takes a halo of window-1 keys
-    and values from the previous rank(s); full attention all-gathers K and V (DESIGN §2).
-    """
-    if cp_group is not None:
-        from ..parallel.context import as_cp_context
-        from ..parallel.cp.attention import cp_attention
-
-        _check_qkv(q, k, v)
-        _check_window(window)
-        if not causal:
-            raise ValueError("causal=False is not supported; attention here is causal")
-        cp = as_cp_context(cp_group, cu_seqlens, q.shape[1], None, q.device)
-        return cp_attention(q, k, v, window=window, scale=scale, impl=impl, cp=cp)
+def row_attention(q, k, v, *, causal: bool, window: Optional[int], cu_seqlens: Optional[torch.Tensor],
+                  scale: Optional[float], impl: str) -> torch.Tensor:
+    """Single-device attention over a whole row (queries = keys); see `attention`."""
     index, doc = _row_indices(q, k, v, causal, window, cu_seqlens)
     return masked_attention(q, k, v, q_index=index, k_index=index, q_doc=doc, k_doc=doc,
                             window=window, scale=scale, impl=impl)
+
+
+def check_cp_call(q, k, v, causal: bool, window: Optional[int]) -> None:
+    """The argument checks of `attention` that hold under context parallelism too."""
+    _check_qkv(q, k, v)
+    _check_window(window)
+    if not causal:
+        raise ValueError("causal=False is not supported; attention here is causal")
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

@@ -13,8 +13,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...model.sequence import SequenceInfo
-from ..context import CPContext, shard_bounds, wait_pending_sends
+from ..comm.context import CPContext, shard_bounds
+from ..config import IGNORE_INDEX
+from ..model.sequence import SequenceInfo
+from ..ops.rope import positions_from_cu_seqlens
 
 
 @dataclass
@@ -43,21 +45,20 @@ def shard_batch(batch, cp_rank: int, cp_size: int, group: Optional[dist.ProcessG
                               device=batch.input_ids.device, rank=cp_rank, size=cp_size)
     positions = batch.position_ids if batch.position_ids is not None else None
     if positions is None:
-        from ...ops.rope import positions_from_cu_seqlens
         positions = positions_from_cu_seqlens(batch.cu_seqlens, total).unsqueeze(0)
     return CPShard(
         input_ids=batch.input_ids[:, start:end],
         labels=batch.labels[:, start:end],
         position_ids=positions[:, start:end],
         context=context,
-        num_label_tokens=int((batch.labels != -100).sum()),
+        num_label_tokens=int((batch.labels != IGNORE_INDEX).sum()),
     )
 
 
 def cp_loss(model, shard: CPShard) -> torch.Tensor:
-    """This rank's share of the global mean loss (sums to the single-device loss over the group)."""
+    """This rank's share of the global mean loss (sums to the single-device loss over the group).
+    Its sends complete by `shard.context.finish()`, once the backward has run too."""
     out = model(shard.input_ids, labels=shard.labels, seq=shard.sequence_info())
-    wait_pending_sends()
     return out.loss_sum / max(shard.num_label_tokens, 1)
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.short_conv import causal_conv1d
-from ..context import CPContext
-from .halo import exchange_halo
-from .p2p import tie
+from ...comm.context import CPContext
+from ...comm.halo import exchange_halo
+from ...comm.p2p import tie
+from .local import causal_conv1d
 
 
 def cp_causal_conv1d(x, weight, bias, activation, cp: CPContext, impl: str = "auto") -> torch.Tensor:

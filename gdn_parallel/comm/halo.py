@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..context import CPContext
+from .context import CPContext
 from .p2p import post_recv_from_prev, send_to_next
 
 

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..context import CPContext
 from . import replay
+from .context import CPContext
 
 
 class PendingRecv:
@@ -112,8 +112,7 @@ class _Tie(torch.autograd.Function):
 def _isend(cp: CPContext, tensor: torch.Tensor, dst: int) -> None:
     if replay.replaying():  # the receiver replays what it got in the first forward
         return
-    cp.pending[:] = [w for w in cp.pending if not w.is_completed()]
-    cp.pending.append(dist.isend(tensor, dst=cp.global_rank(dst), group=cp.group))
+    cp.outbox.post(dist.isend(tensor, dst=cp.global_rank(dst), group=cp.group))
 
 
 class _ReceivedFromPrev(torch.autograd.Function):

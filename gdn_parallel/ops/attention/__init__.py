@@ -1,0 +1,43 @@
+"""Causal softmax attention (sliding window or full, grouped-query heads, packed documents): the
+public op. Single-device forms and the oracle in masked.py, the context-parallel form in cp.py."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...comm import CPContext
+from .cp import cp_attention
+from .masked import attention_reference, check_cp_call, masked_attention, row_attention
+
+__all__ = ["attention", "masked_attention", "attention_reference"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              window: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
+              scale: Optional[float] = None, impl: str = "auto", cp: Optional[CPContext] = None) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention over a row, q/k/v of the same length T.
+
+    q [B, T, H, D], k [B, T, HKV, D], v [B, T, HKV, Dv] -> [B, T, H, Dv]. `window` is the number
+    of keys a query sees, itself included (None: full causal). With `cu_seqlens` (batch 1) the
+    documents of the packed row do not see each other. Only causal=True is supported.
+
+    With `cp` (the row's context-parallel plan, which holds the global document boundaries: give no
+    `cu_seqlens`) the tensors are this rank's shard of one packed row: a sliding window takes a halo
+    of window-1 keys and values from the previous rank(s); full attention all-gathers K and V
+    (docs/design.md §2).
+    """
+    if cp is None:
+        return row_attention(q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale, impl=impl)
+    check_cp_call(q, k, v, causal, window)
+    _check_plan(cp, cu_seqlens, q)
+    return cp_attention(q, k, v, window=window, scale=scale, impl=impl, cp=cp)
+
+
+def _check_plan(cp: CPContext, cu_seqlens, x: torch.Tensor) -> None:
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens and cp exclude each other: the context-parallel plan holds the row's "
+                         "global document boundaries (CPContext.build(group, cu_seqlens, local_len))")
+    if x.shape[1] != cp.local_len:
+        raise ValueError(f"the local tensors have {x.shape[1]} tokens but the CP plan has {cp.local_len} "
+                         f"per rank")

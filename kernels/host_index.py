@@ -1,0 +1,28 @@
+"""Device copies of host index tensors (document boundaries), made once per tensor.
+
+Torch only: the kernels' wrappers and the PyTorch ops both use it.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# id(host tensor) -> (weak reference to it, its version, device copy). Keyed by id: tensors cannot be
+# dictionary keys by value (their == is elementwise).
+_device_copies: dict = {}
+
+
+def on_device(index: torch.Tensor, device) -> torch.Tensor:
+    """A device copy of a host index tensor (document boundaries), made once per tensor and reused by
+    every layer: each copy from pageable host memory waits for the GPU to drain, which would stall
+    the host once per layer."""
+    device = torch.device(device)
+    if index.device == device:
+        return index
+    key = id(index)
+    entry = _device_copies.get(key)
+    if entry is None or entry[0]() is not index or entry[1] != index._version or entry[2].device != device:
+        ref = weakref.ref(index, lambda _, key=key: _device_copies.pop(key, None))
+        entry = _device_copies[key] = (ref, index._version, index.to(device))
+    return entry[2]
