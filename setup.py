@@ -32,9 +32,12 @@ setup(
     extras_require={
         # triton: interpreter tests on CPU; setuptools: tests/test_packaging.py builds the wheel without
         # build isolation (70.1+ builds wheels without the separate `wheel` package)
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1"],
+        # tokenizers: the prepared-data tests with a real tokenizer
+        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers"],
         "gpu": [TRITON],
-        "log": ["matplotlib"],  # loss.png beside metrics.jsonl (train.out_dir)
+        "log": ["matplotlib", "tensorboard"],  # loss.png, tools/plot.py; log.tensorboard (wandb: pip install wandb)
+        "data": ["tokenizers", "pyarrow"],      # tools/prepare_data.py: --tokenizer FILE, Parquet inputs
+        "launch": ["mpi4py"],                   # launch/mpirun.sh across nodes (the master address)
     },
     entry_points={
         "console_scripts": [

@@ -113,10 +113,14 @@ MODEL_RULES: Tuple[Rule, ...] = (
 
 DATA_RULES: Tuple[Rule, ...] = (
     ("source", lambda value: bool(value.strip()),
-     "must name the data: 'stdlib', a directory, a file or a glob of text files"),
+     "must name the data: 'stdlib', a directory, a file or a glob of text files, or a directory "
+     "written by tools/prepare_data.py"),
     ("val_fraction", _half_open(0.0, 1.0),
      "must be in [0, 1): the share of documents held out for validation, e.g. 0.02"),
     ("seed", *_SEED_RULE),
+    ("text_suffixes", lambda value: DataConfig.parse_suffixes(value) is not None,
+     "must be file suffixes separated by commas, each a dot and a name, e.g. '.txt,.md,.py', or '*' "
+     "for every file"),
 )
 
 TRAIN_RULES: Tuple[Rule, ...] = (
@@ -142,6 +146,13 @@ TRAIN_RULES: Tuple[Rule, ...] = (
     ("threads", _at_least(0), "must be >= 0: CPU threads for torch (0: torch's default)"),
     ("peak_tflops", _finite_at_least(0.0),
      "must be a number >= 0: one device's peak TFLOP/s for MFU (0: look it up)"),
+    ("max_skipped_steps", _at_least(1),
+     "must be >= 1: non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3"),
+)
+
+CHECKPOINT_RULES: Tuple[Rule, ...] = (
+    ("interval", _at_least(0), "must be >= 0: optimizer steps between checkpoints (0: only the last step)"),
+    ("keep", _at_least(0), "must be >= 0: the newest complete checkpoints kept (0: all)"),
 )
 
 PARALLEL_RULES: Tuple[Rule, ...] = tuple(
@@ -277,15 +288,48 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # "stdlib": the bytes of this Python's standard-library sources (no download), byte vocabulary;
-    # otherwise a directory or glob of text files read the same way.
+    # a directory, file or glob of text files read the same way; or a directory of token ids written
+    # by tools/prepare_data.py (recognised by its metadata file).
     source: str = "stdlib"
     val_fraction: float = 0.02
     seed: int = 0
+    # The files a directory source reads (case-insensitive; '*': all). Prose and Python by default:
+    # structured records (.json, .jsonl, .csv, .html) would train on their syntax, so their text goes
+    # through tools/prepare_data.py (--text-key). Binary files (NUL bytes, not UTF-8) are always skipped.
+    text_suffixes: str = ".txt,.md,.rst,.tex,.py"
+    # documents: each document its own sequence (cu_seqlens); concatenate: one stream per row, attention
+    # and labels crossing documents.
+    packing: str = "documents"
+
+    PACKING_MODES = ("documents", "concatenate")   # not a field (no annotation)
 
     def validate(self) -> None:
-        # Whether the source yields documents is checked when it is read (gdn_parallel.data.corpus),
-        # still before the model exists: listing a large corpus twice would slow every start.
+        # Whether the source yields documents is checked when it is read (gdn_parallel.data), still
+        # before the model exists: listing a large corpus twice would slow every start.
         _check_fields(self, "data", DATA_RULES)
+        _check_choice(self, "data", "packing", self.PACKING_MODES,
+                      "(documents: sequences end at document boundaries; concatenate: they run across them)")
+
+    @property
+    def suffixes(self) -> Tuple[str, ...]:
+        """data.text_suffixes as lower-case suffixes; () means every file."""
+        parsed = self.parse_suffixes(self.text_suffixes)
+        if parsed is None:
+            rule = next(text for name, _, text in DATA_RULES if name == "text_suffixes")
+            raise ConfigError(f"data.text_suffixes={self.text_suffixes!r} {rule}")
+        return parsed
+
+    @staticmethod
+    def parse_suffixes(value: str) -> Optional[Tuple[str, ...]]:
+        """'.txt, .MD' -> ('.txt', '.md'); '*' -> () (every file); None when malformed."""
+        if not isinstance(value, str):
+            return None
+        items = [item.strip().lower() for item in value.split(",")]
+        if items == ["*"]:
+            return ()
+        good = all(len(item) > 1 and item.startswith(".") and not any(c in item for c in "/\\*?[] \t")
+                   for item in items)
+        return tuple(dict.fromkeys(items)) if good else None
 
 
 @dataclass
@@ -312,7 +356,8 @@ class TrainConfig:
     threads: int = 0             # 0: leave torch's default
     out_dir: str = ""            # where metrics.jsonl and loss.png go; empty: nowhere
     peak_tflops: float = 0.0     # per device, for MFU; 0: look up CUDA devices, none on CPU
-    activation_checkpointing: str = "none"   # "full": recompute each block in the backward
+    activation_checkpointing: str = "none"   # selective: the MLP branches; full: whole blocks
+    max_skipped_steps: int = 3   # a non-finite loss or gradient skips the step; this many in a row stop the run
 
     def validate(self) -> None:
         _check_fields(self, "train", TRAIN_RULES)
@@ -421,21 +466,67 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints under <train.out_dir>/checkpoints/step_<N>/ (N: completed optimizer steps)."""
+    interval: int = 0            # every N steps; 0: only the last step (which is always saved)
+    keep: int = 0                # newest K complete checkpoints kept; 0: all
+    async_save: bool = False     # torch.distributed.checkpoint async save: training goes on while it writes
+    enabled: bool = True         # false: no checkpoints at all (a run that is never resumed)
+
+    def validate(self, train: Optional["TrainConfig"] = None) -> None:
+        _check_fields(self, "checkpoint", CHECKPOINT_RULES)
+        if train is not None and self.enabled and self.interval and not train.out_dir:
+            raise ConfigError(f"checkpoint.interval={self.interval} needs train.out_dir (checkpoints go to "
+                              f"<train.out_dir>/checkpoints/); set train.out_dir or checkpoint.interval=0")
+
+
+@dataclass
+class LogConfig:
+    """Where metrics go besides the console and <train.out_dir>/metrics.jsonl."""
+    tensorboard: bool = False    # event files under <train.out_dir>/tensorboard (needs tensorboard)
+    wandb_project: str = ""      # a Weights & Biases project; empty: no wandb
+    wandb_mode: str = "offline"  # offline (no network) | online | disabled
+    progress_bar: str = "auto"   # auto: a bar when attached to a terminal, plain lines otherwise | on | off
+
+    @property
+    def wandb_enabled(self) -> bool:
+        return bool(self.wandb_project) and self.wandb_mode != "disabled"
+
+    def validate(self, train: Optional["TrainConfig"] = None) -> None:
+        """Besides the choices: the backends asked for are installed (checked on every rank, before
+        any process group exists) and, given `train`, have a train.out_dir to write to."""
+        import importlib.util
+        _check_fields(self, "log", ())
+        _check_choice(self, "log", "wandb_mode", ("offline", "online", "disabled"))
+        _check_choice(self, "log", "progress_bar", ("auto", "on", "off"))
+        asked = [("log.tensorboard=true", "tensorboard", "log.tensorboard=false")] if self.tensorboard else []
+        if self.wandb_enabled:
+            asked.append((f"log.wandb_project={self.wandb_project!r}", "wandb", "log.wandb_project=''"))
+        for setting, package, off in asked:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{setting} needs the {package} package, which is not installed: "
+                                  f"pip install {package}, or set {off}")
+            if train is not None and not train.out_dir:
+                raise ConfigError(f"{setting} needs train.out_dir (the {package} files go under it); set "
+                                  f"train.out_dir or {off}")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self, world_size: Optional[int] = None) -> "Config":
         self.model.validate()
         self.data.validate()
         self.train.validate()
         self.parallel.validate(self.model, self.train, world_size)
-        if self.model.vocab_size < BYTE_VOCAB_SIZE:
-            raise ConfigError(f"model.vocab_size={self.model.vocab_size} is smaller than the "
-                              f"{BYTE_VOCAB_SIZE} byte tokens of data.source={self.data.source!r}; set "
-                              f"model.vocab_size >= {BYTE_VOCAB_SIZE}")
+        self.checkpoint.validate(self.train)
+        self.log.validate(self.train)
         return self
 
     def to_dict(self) -> dict:

@@ -1,29 +1,33 @@
-"""Byte-level corpora that need no download.
+"""Byte-level corpora that need no preparation: the standard library, or text files.
 
 `data.source = "stdlib"` (the default) reads this Python's standard-library sources: every `*.py`
 file under `sysconfig.get_paths()["stdlib"]` (recursively, sorted, site-packages left out), each
-file one document. Any other value is a directory (every regular file under it, recursively) or a
-glob pattern of text files. Tokens are the raw bytes (vocabulary 256); nothing is decoded and
-nothing is cached on disk.
+file one document, taken as it is (the same files, and so the same batches, as before text checks
+existed). Any other value is a directory, a file or a glob pattern of text files: which files are
+read, and why binaries never are, is in gdn_parallel.data.text_files. Tokens are the raw bytes
+(vocabulary 256); nothing is decoded and nothing is cached on disk.
 
 Documents are split into train and validation by a hash of their path (relative to the source
-root), so the split does not depend on the order files are found in nor on the machine.
+root), so the split does not depend on the order files are found in nor on the machine. Training
+is never left empty: a single document trains, and validation is empty then.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
-import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..config import BYTE_VOCAB_SIZE, ConfigError
+from .prepared import is_prepared_dir
+from .text_files import describe_skipped, is_text, list_text_files, read_file, walk
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+__all__ = ["BYTE_VOCAB_SIZE", "Corpus", "load_corpus", "list_source_files", "split_fraction",
+           "validation_mask", "stdlib_root"]
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Corpus:
     val: List[torch.Tensor]
     train_names: List[str] = field(default_factory=list)
     val_names: List[str] = field(default_factory=list)
+    binary_skipped: int = 0      # files left out for NUL bytes or invalid UTF-8
 
     @property
     def num_train_tokens(self) -> int:
@@ -44,52 +49,22 @@ class Corpus:
         return sum(int(d.numel()) for d in self.val)
 
     def describe(self) -> str:
+        skipped = f", {self.binary_skipped:,} binary file(s) skipped" if self.binary_skipped else ""
         return (f"{self.source}: {len(self.train):,} train docs ({self.num_train_tokens:,} tokens), "
-                f"{len(self.val):,} val docs ({self.num_val_tokens:,} tokens)")
+                f"{len(self.val):,} val docs ({self.num_val_tokens:,} tokens){skipped}")
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_source_files(source: str) -> List[Tuple[str, Path]]:
-    """(name, path) of every file of a source, sorted by name; name is the path relative to the root."""
+def list_source_files(source: str, suffixes: Sequence[str] = ()) -> List[Tuple[str, Path]]:
+    """(name, path) of every file of a byte source, sorted by name; name is the path relative to
+    the root. `suffixes` filters directory sources (() keeps every file); [] when nothing exists."""
     if source == "stdlib":
-        return _walk(stdlib_root(), lambda name: name.endswith(".py"))
-    path = Path(os.path.expanduser(source))
-    if path.is_dir():
-        return _walk(path, lambda name: True)
-    if path.is_file():
-        return [(path.name, path)]
-    matches = sorted(glob.glob(os.path.expanduser(source), recursive=True))
-    if matches:
-        root = os.path.commonpath([os.path.dirname(os.path.abspath(m)) for m in matches])
-        files = [(os.path.relpath(os.path.abspath(m), root), Path(m)) for m in matches]
-        return sorted((n, p) for n, p in files if p.is_file())
-    return []
-
-
-def _walk(root: Path, keep) -> List[Tuple[str, Path]]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        for name in filenames:
-            if keep(name):
-                full = Path(dirpath) / name
-                found.append((full.relative_to(root).as_posix(), full))
-    found.sort()
-    return found
-
-
-def _read(path: Path):
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None  # unreadable (permissions, broken link, vanished): skipped
-    if not data:
-        return None  # an empty document has no tokens to train on
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return walk(stdlib_root(), lambda name: name.endswith(".py")).files
+    listing = list_text_files(source, suffixes)
+    return listing.files if listing is not None else []
 
 
 def split_fraction(name: str) -> float:
@@ -98,32 +73,71 @@ def split_fraction(name: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
-def load_corpus(data_config) -> Corpus:
-    """Read `data_config.source` into a train/validation Corpus of byte documents.
+def validation_mask(scores: Sequence[float], val_fraction: float) -> np.ndarray:
+    """Which documents are held out, from their scores in [0, 1): those below val_fraction. With at
+    least two documents and val_fraction > 0 one is always held out (the lowest score); training is
+    never left empty (the highest score trains), so a single document trains."""
+    scores = np.asarray(scores, dtype=np.float64)
+    is_val = scores < val_fraction
+    if val_fraction > 0 and scores.size >= 2 and not is_val.any():
+        is_val[int(np.argmin(scores))] = True
+    if scores.size and is_val.all():
+        is_val[int(np.argmax(scores))] = False
+    return is_val
 
-    Raises ConfigError (a ValueError) naming `data.source` when the source yields no readable,
-    non-empty document.
+
+def load_corpus(data_config) -> Corpus:
+    """Read a byte source (`data.source`: stdlib, a directory, a file or a glob) into a train /
+    validation Corpus of byte documents.
+
+    Raises ConfigError (a ValueError) naming `data.source` when the source does not exist, yields no
+    readable, non-empty text document, or is a prepared dataset (read those with
+    gdn_parallel.data.load_dataset).
     """
     source = data_config.source
-    named = []
-    for name, path in list_source_files(source):
-        doc = _read(path)
-        if doc is not None:
-            named.append((name, doc))
+    if is_prepared_dir(source):
+        raise ConfigError(f"data.source={source!r} is a prepared token dataset; read it with "
+                          f"gdn_parallel.data.load_dataset (or TokenBatches.from_config), not load_corpus")
+    named, binary, suffix_skipped = [], 0, None
+    if source == "stdlib":
+        files = list_source_files(source)
+    else:
+        listing = list_text_files(source, data_config.suffixes)
+        if listing is None:
+            raise ConfigError(f"data.source={source!r} does not exist: give 'stdlib', a directory or file "
+                              f"of text, a glob pattern (e.g. 'corpus/**/*.txt') or a directory written "
+                              f"by tools/prepare_data.py")
+        files, suffix_skipped = listing.files, listing.suffix_skipped
+    for name, path in files:
+        data = read_file(path)
+        if not data:
+            continue  # unreadable or empty: an empty document has no tokens to train on
+        if source != "stdlib" and not is_text(data):
+            binary += 1
+            continue
+        named.append((name, torch.frombuffer(bytearray(data), dtype=torch.uint8)))
     if not named:
-        raise ConfigError(
-            f"data.source={source!r} yields no documents: give 'stdlib', a directory of text files, "
-            f"or a glob pattern (e.g. 'corpus/**/*.txt') matching readable, non-empty files")
-    val_fraction = float(data_config.val_fraction)
-    scores = [split_fraction(name) for name, _ in named]
-    is_val = [s < val_fraction for s in scores]
-    if val_fraction > 0 and len(named) >= 2:
-        if not any(is_val):  # a small source: hold out the one document the hash ranks first
-            is_val[min(range(len(named)), key=scores.__getitem__)] = True
-        if all(is_val):  # never leave training empty
-            is_val[max(range(len(named)), key=scores.__getitem__)] = False
-    corpus = Corpus(source=source, train=[], val=[])
-    for (name, doc), val in zip(named, is_val):
+        raise ConfigError(_no_documents_message(data_config, len(files), binary, suffix_skipped))
+    is_val = validation_mask([split_fraction(name) for name, _ in named], float(data_config.val_fraction))
+    corpus = Corpus(source=source, train=[], val=[], binary_skipped=binary)
+    for (name, doc), val in zip(named, is_val.tolist()):
         (corpus.val if val else corpus.train).append(doc)
         (corpus.val_names if val else corpus.train_names).append(name)
     return corpus
+
+
+def _no_documents_message(data_config, listed: int, binary: int, suffix_skipped) -> str:
+    source = data_config.source
+    reasons = []
+    if suffix_skipped:
+        reasons.append(f"files without a suffix of data.text_suffixes={data_config.text_suffixes!r} were "
+                       f"left out ({describe_skipped(suffix_skipped)}): add theirs to data.text_suffixes "
+                       f"or '*' for all")
+    if binary:
+        reasons.append(f"{binary} binary file(s) were skipped (NUL bytes or not UTF-8)")
+    if listed - binary > 0:
+        reasons.append(f"{listed - binary} file(s) were empty or unreadable")
+    why = "; ".join(reasons) if reasons else "no file matched"
+    return (f"data.source={source!r} yields no documents ({why}); give 'stdlib', a directory of text "
+            f"files, a glob pattern (e.g. 'corpus/**/*.txt') matching readable, non-empty UTF-8 files, "
+            f"or a directory written by tools/prepare_data.py")

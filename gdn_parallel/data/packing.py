@@ -10,18 +10,21 @@ token of every document appears exactly once.
 Inside each piece `labels[t] = input_ids[t + 1]`; the last token of a piece has label -100 (no
 target crosses a piece boundary). `position_ids` count from 0 at the start of every piece, so
 `cu_seqlens` can be recovered from `position_ids == 0`.
+
+The stream behind `packed_batches` (data-parallel sharding, resumption, concatenate packing) is
+gdn_parallel.data.stream.TokenBatches.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..config import IGNORE_INDEX
-
-DocumentLike = Union[torch.Tensor, bytes, bytearray, Sequence[int]]
+from .documents import DocumentLike, Documents
 
 
 @dataclass
@@ -58,18 +61,6 @@ def num_label_tokens(total_tokens: int, num_pieces: int) -> int:
     return int(total_tokens) - int(num_pieces)
 
 
-def _as_tensor(doc: DocumentLike) -> torch.Tensor:
-    if isinstance(doc, torch.Tensor):
-        if doc.dim() != 1:
-            raise ValueError(f"documents must be 1-D token sequences, got shape {tuple(doc.shape)}")
-        return doc
-    if isinstance(doc, (bytes, bytearray)):
-        if not doc:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(bytearray(doc), dtype=torch.uint8)
-    return torch.as_tensor(list(doc), dtype=torch.long)
-
-
 def pack_pieces(pieces: List[torch.Tensor]) -> PackedBatch:
     """Concatenate document pieces into one packed row with labels, positions and boundaries."""
     lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.long)
@@ -79,7 +70,9 @@ def pack_pieces(pieces: List[torch.Tensor]) -> PackedBatch:
     total = input_ids.numel()
     cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.long)
     torch.cumsum(lengths, 0, out=cu_seqlens[1:])
-    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    # numpy's repeat: torch.repeat_interleave runs multi-threaded and stalls for milliseconds on a
+    # busy CPU, every batch
+    starts = torch.from_numpy(np.repeat(cu_seqlens[:-1].numpy(), lengths.numpy()))
     position_ids = torch.arange(total, dtype=torch.long) - starts
     labels = torch.empty_like(input_ids)
     labels[:-1] = input_ids[1:]
@@ -102,38 +95,17 @@ def packed_batches(documents: Sequence[DocumentLike], seq_len: int, batch_size: 
     epochs=None streams forever (a new shuffle each epoch). With a finite number of epochs the
     stream ends when the documents run out; the last, incomplete batch is dropped when drop_last,
     else yielded with fewer tokens (its last row shorter than seq_len).
-    The same documents, sizes and seed always give the same batches.
+    The same documents, sizes and seed always give the same batches: those of
+    `stream.TokenBatches` on one data-parallel replica, which this wraps.
     """
+    from .stream import TokenBatches  # the stream is built on this module: imported when called
+
     if seq_len <= 0 or batch_size <= 0:
         raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be positive")
-    docs = [_as_tensor(d) for d in documents]
-    docs = [d for d in docs if d.numel() > 0]
-    if not docs:
+    docs = Documents.from_sequences(documents)
+    if len(docs) == 0:
         raise ValueError("packed_batches got no non-empty documents")
-    order = document_stream(len(docs), seed, epochs)
-    current: Optional[torch.Tensor] = None
-    offset = 0
-    exhausted = False
-    while not exhausted:
-        pieces: List[torch.Tensor] = []
-        for _row in range(batch_size):
-            room = seq_len
-            while room > 0:
-                if current is None or offset == current.numel():
-                    index = next(order, None)
-                    if index is None:
-                        exhausted = True
-                        break
-                    current, offset = docs[index], 0
-                take = min(room, current.numel() - offset)
-                pieces.append(current[offset:offset + take])
-                offset += take
-                room -= take
-            if exhausted:
-                break
-        if exhausted and (drop_last or not pieces):
-            return
-        yield pack_pieces(pieces)
+    return TokenBatches(docs, seq_len, batch_size, seed=seed, epochs=epochs, drop_last=drop_last)
 
 
 def random_packed_row(cu_seqlens: Sequence[int], vocab_size: int, seed: int) -> PackedBatch:

@@ -31,14 +31,37 @@ def mixer_flops_per_token(symbol: str, config: ModelConfig, seq_len: int) -> flo
     return config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
 
 
+class DroppedPart(nn.Module):
+    """Stands in, in `model.layers`, for a block another pipeline rank holds (model/build.py)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this block is held by another pipeline rank; run the model through its stages")
+
+
 def blocks_of(module: nn.Module) -> list:
-    """The blocks of a HybridLM or of a pipeline stage of one: the modules in `module.layers` (a list
-    or a ModuleDict keyed by global layer index); none when it has no layers."""
+    """The blocks this process holds of a HybridLM or of a pipeline stage of one: the modules in
+    `module.layers` (a list or a ModuleDict keyed by global layer index) but dropped ones."""
     layers = getattr(module, "layers", None)
     if layers is None:
         return []
     values = layers.values() if isinstance(layers, (nn.ModuleDict, dict)) else layers
-    return [m for m in values if isinstance(m, nn.Module)]
+    return [m for m in values if isinstance(m, nn.Module) and not isinstance(m, DroppedPart)]
+
+
+def init_linear_weights(module: nn.Module, config: ModelConfig) -> None:
+    """Normal(0, initializer_range) for the linears and embeddings inside `module`; the residual
+    outputs of its blocks scaled by 1/sqrt(2 * n_layers) (GPT-2 style). A_log, dt_bias, convs and
+    norms keep their own init."""
+    std = config.initializer_range
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(sub.weight, mean=0.0, std=std)
+                if getattr(sub, "bias", None) is not None:
+                    nn.init.zeros_(sub.bias)
+        for block in (m for m in module.modules() if isinstance(m, Block)):
+            for out_proj in (block.attn.o_proj, block.mlp.down_proj):
+                out_proj.weight.div_(math.sqrt(2 * config.n_layers))
 
 
 def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:
@@ -99,18 +122,7 @@ class HybridLM(nn.Module):
             self.lm_head.weight = self.embeddings.weight
 
     def reset_parameters(self) -> None:
-        """Normal(0, initializer_range) for linears and embeddings; residual outputs scaled by
-        1/sqrt(2 * n_layers) (GPT-2 style). A_log, dt_bias, convs and norms keep their own init."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.layers:
-            for out_proj in (block.attn.o_proj, block.mlp.down_proj):
-                with torch.no_grad():
-                    out_proj.weight.div_(math.sqrt(2 * self.config.n_layers))
+        init_linear_weights(self, self.config)
 
     def sequence_info(self, input_ids, cu_seqlens=None, position_ids=None) -> SequenceInfo:
         if position_ids is None and cu_seqlens is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,11 +50,15 @@ class ParallelModel:
             return list(self.runner.named_parameters())
         return list(self.model.named_parameters())
 
-    def train_step(self, rows: Sequence, autocast_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def train_step(self, rows: Sequence, autocast_dtype: Optional[torch.dtype] = None,
+                   scaler=None) -> torch.Tensor:
         """Forward + backward of this dp replica's microbatch rows (PackedBatch, on the device).
 
         Gradients end reduced over every dimension; returns the step's global mean loss (same on
-        every rank)."""
+        every rank). `scaler` (a GradScaler, fp16 without pipelining) scales each backward."""
+        if scaler is not None and self.runner is not None:
+            raise ValueError("a loss scaler (train.dtype=float16) is not supported with pipeline parallelism; "
+                             "use bfloat16")
         local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
         normalizer = max(global_label_count(local_labels, self.dims), 1)
         microbatches = [self._shard(row) for row in rows]
@@ -64,9 +68,36 @@ class ParallelModel:
             if self.runner is not None:
                 loss = self.runner.step(microbatches, label_normalizer=normalizer)
             else:
-                loss = self._accumulate(microbatches, normalizer)
+                loss = self._accumulate(microbatches, normalizer, scaler)
         self._reduce_gradients()
         return self._global_loss(loss)
+
+    @torch.no_grad()
+    def evaluate(self, rows: Sequence, autocast_dtype: Optional[torch.dtype] = None) -> Tuple[float, int]:
+        """(summed token loss, label count) of this dp replica's rows, summed over every replica: the
+        same on every rank. Forward only, under every layout."""
+        local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
+        count = global_label_count(local_labels, self.dims)
+        if count == 0:
+            return 0.0, 0
+        microbatches = [self._shard(row) for row in rows]
+        plans = [getattr(mb, "context", None) for mb in microbatches]
+        module = self.model
+        was_training = module.training
+        module.eval()
+        try:
+            with sends_finished(plans), _autocast(autocast_dtype, rows[0].input_ids.device):
+                if self.runner is not None:  # this replica's (and cp shard's) share, as every pp rank holds it
+                    total = self.runner.evaluate(microbatches, label_normalizer=1.0).float()
+                else:
+                    total = None
+                    for mb in microbatches:
+                        mb = as_microbatch(mb, self.model)
+                        loss_sum = module(mb.input_ids, labels=mb.labels, seq=mb.seq).loss_sum.detach().float()
+                        total = loss_sum if total is None else total + loss_sum
+        finally:
+            module.train(was_training)
+        return float(self._global_loss(total)), count
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.parameters(), max_norm, self.dims)
@@ -78,7 +109,7 @@ class ParallelModel:
         return shard_batch(row, self.dims.rank("cp"), self.config.cp, self.dims.group("cp"),
                            self.config.cp_algorithm)
 
-    def _accumulate(self, microbatches, normalizer) -> torch.Tensor:
+    def _accumulate(self, microbatches, normalizer, scaler=None) -> torch.Tensor:
         total = None
         for i, mb in enumerate(microbatches):
             last = i == len(microbatches) - 1
@@ -86,7 +117,7 @@ class ParallelModel:
                 mb = as_microbatch(mb, self.model)
                 out = self.train_module(mb.input_ids, labels=mb.labels, seq=mb.seq)
                 loss = out.loss_sum / normalizer
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..comm import sends_finished
 from ..config import ConfigError, ModelConfig, ParallelConfig
+from ..model.build import part_names
 from ..model.hybrid_lm import Block, HybridLM, mixer_flops_per_token
 from ..model.loss import lm_head_loss
 from ..model.sequence import SequenceInfo
@@ -123,6 +124,26 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> List[
     return [pp_rank + v * pp_size for v in range(virtual_stages)]
 
 
+def parts_of_rank(model_config: ModelConfig, parallel_config: ParallelConfig, pp_rank: int,
+                  seq_len: int = DEFAULT_BALANCE_SEQ_LEN) -> set:
+    """The model parts (model/build.py names) pipeline rank `pp_rank` holds: its stages' layers, the
+    embeddings on the first stage, the final norm and lm_head on the last. Every part when pp == 1."""
+    if parallel_config.pp == 1:
+        return set(part_names(model_config))
+    virtual = parallel_config.virtual_stages if parallel_config.pp_schedule == "interleaved" else 1
+    num_stages = parallel_config.pp * virtual
+    ranges = stage_layer_ranges(model_config, num_stages, seq_len)
+    parts = set()
+    for stage in stage_ids_for_rank(pp_rank, parallel_config.pp, virtual):
+        start, end = ranges[stage]
+        parts.update(f"layers.{i}" for i in range(start, end))
+        if stage == 0:
+            parts.add("embeddings")
+        if stage == num_stages - 1:
+            parts.update(("norm", "lm_head"))
+    return parts
+
+
 # ---------------------------------------------------------------------------------------------
 # Microbatches and stage modules
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +196,7 @@ class StageModule(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.criterion = model.criterion if self.is_last else None
-        dtype = model.embeddings.weight.dtype
+        dtype = next(self.layers.parameters()).dtype
         self.hidden_dtype = dtype
         self.loss_dtype = torch.promote_types(dtype, torch.float32)
         self._microbatches: Optional[Sequence[Microbatch]] = None
@@ -295,7 +316,7 @@ class PipelineRunner:
         self.has_first_stage = any(m.is_first for m in self.stage_modules)
         self.has_last_stage = any(m.is_last for m in self.stage_modules)
         self.last_stage_rank = (self.num_stages - 1) % self.pp_size
-        self.tied = model.lm_head.weight is model.embeddings.weight
+        self.tied = model.config.tie_word_embeddings
         self._label_normalizer = 1.0
         self._schedule = None
         self._schedule_key = None
@@ -491,8 +512,8 @@ def build_pipeline(model: HybridLM, parallel_config: ParallelConfig, device, pp_
     seq_len: the row length the attention costs of the layer balancing assume.
     The model must already be on `device` and already carry any other transformation of its
     modules (tensor parallelism swaps lm_head / criterion: apply it first); its parameters are
-    shared, not copied (build the optimizer over `runner.parameters()`; each rank still holds the
-    whole model object, the other stages' parameters simply stay unused there). Data parallel
+    shared, not copied (build the optimizer over `runner.parameters()`). A model built with only this
+    rank's parts (model.build_model with parts_of_rank) holds no other stage's weights. Data parallel
     wrappers that modify modules in place (FSDP2 fully_shard) can be applied to
     `runner.stage_modules` after this call and before the first step. Microbatches passed to
     `step` must already be on `device` (their SequenceInfo tensors are used as they are).

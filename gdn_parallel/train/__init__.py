@@ -1,8 +1,9 @@
-"""Training: the single-process loop, its LR schedule and progress reporting.
+"""Training: the one loop for every world size (trainer.py), its process group (session.py), the
+LR schedule, validation, the optimizer and progress reporting.
 
     python -m gdn_parallel.train --config configs/tiny-cpu.yaml --set train.lr=1e-3 --steps 50
 """
-from .loop import run_training
 from .schedule import lr_at
+from .trainer import run_training
 
 __all__ = ["run_training", "lr_at"]

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None,
                         help="shortcut for --set train.steps=N (a longer warmup from the config is "
                              "shortened to N // 10)")
+    parser.add_argument("--resume", default=None, metavar="auto|PATH",
+                        help="continue a run: 'auto' takes the newest complete checkpoint under "
+                             "<train.out_dir>/checkpoints (starting afresh when there is none), PATH a given "
+                             "checkpoint directory; metrics.jsonl is appended to")
     return parser
 
 
@@ -81,22 +85,23 @@ def load_config(args) -> Config:
 
 
 def run(argv: Optional[List[str]] = None) -> dict:
-    """Parse the command line, train, and return run_training's summary."""
+    """Parse the command line, train (one process or any launcher), and return run_training's summary."""
+    from .launch_env import strip_launcher_args
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # DeepSpeed's launcher adds --local_rank=N (its environment carries the same): not ours to parse.
+    args = parser.parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
     try:
         config = load_config(args)
     except ConfigError as err:
         parser.error(str(err))
-    from .distributed import is_distributed_launch, run_distributed_training
-    from .loop import run_training
+    from .session import is_launched
+    from .trainer import run_training
     try:
-        if is_distributed_launch():
-            return run_distributed_training(config)
-        if config.parallel.world_size > 1:
+        if not is_launched() and config.parallel.world_size > 1:
             raise ConfigError(f"parallel.tp * pp * cp * dp = {config.parallel.world_size} needs that many "
-                              f"processes: launch with torchrun --nproc_per_node={config.parallel.world_size}")
-        return run_training(config)
+                              f"processes: launch with torchrun --nproc_per_node={config.parallel.world_size} "
+                              f"(or launch/deepspeed.sh, slurm.sbatch, mpirun.sh)")
+        return run_training(config, resume=args.resume)
     except ConfigError as err:
         parser.error(str(err))
 

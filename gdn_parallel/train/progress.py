@@ -1,11 +1,13 @@
-"""Progress reporting for the training loop: one console line per interval, metrics.jsonl, loss.png.
+"""Progress reporting for the training loop: one console line per interval, a progress bar on a
+terminal, and the records every sink receives (metrics.jsonl, TensorBoard, W&B: metrics_sinks.py).
 
     step 10/200 | loss 4.1234 | lr 3.0e-03 | grad_norm 1.23 | tok/s 12,345 | mfu n/a | mem 512 MiB | eta 1m02s
 
-Steps are 0-based optimizer updates. A line is printed at step 0, at every multiple of log_every and
-at the last step. `loss` is the mean training loss of the steps since the previous line (step 0: its
-own loss), `lr` and `grad_norm` belong to the printed step, `tok/s` is measured over the interval
-(time spent in evaluation is not counted), `mfu` = flops_per_token * tok/s / peak FLOP/s when a
+Steps are 0-based optimizer updates. A line is printed at the first step (step 0, or the first after
+a resume), at every multiple of log_every and at the last step. `loss` is the mean training loss of
+the steps since the previous line (the first line: its own step's loss), `lr` and `grad_norm` belong
+to the printed step, `tok/s` is measured over the interval (time spent in evaluation or
+checkpointing under `paused()` is not counted), `mfu` = flops_per_token * tok/s / peak FLOP/s when a
 peak is known, `mem` is the CUDA peak allocation or, on CPU, the resident set of the process.
 
 The loop hands every step's loss and grad norm over as tensors; they are read (synchronising the
@@ -14,16 +16,19 @@ device) only when a line is due.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 import torch
+
+from ..config import LogConfig
+from .metrics_sinks import METRICS_FILE, JsonlSink, MetricsSink, read_metrics, sinks_from_config
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name fragment; first match wins.
 PEAK_TFLOPS = (
@@ -67,31 +72,123 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+def is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+class ProgressBar:
+    """One line that redraws itself in place with a carriage return, at most every min_interval_s.
+    A stream that stops accepting writes (a closed pipe) turns the bar off instead of failing."""
+
+    WIDTH = 24  # characters of the bar itself
+
+    def __init__(self, stream: TextIO, min_interval_s: float = 0.1):
+        self.stream: Optional[TextIO] = stream
+        self.min_interval_s = min_interval_s
+        self._drawn = 0            # characters on the line now
+        self._last_draw = -math.inf
+        self._text = ""
+
+    @staticmethod
+    def render(done: int, total: int, details: str) -> str:
+        filled = int(ProgressBar.WIDTH * done / max(total, 1))
+        bar = "#" * filled + "." * (ProgressBar.WIDTH - filled)
+        return f"[{bar}] {done}/{total} {100 * done / max(total, 1):3.0f}% | {details}"
+
+    def show(self, text: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        self._text = text
+        if force or now - self._last_draw >= self.min_interval_s:
+            self._last_draw = now
+            self._draw()
+
+    def hide(self) -> None:
+        if self._drawn:
+            self._write("\r" + " " * self._drawn + "\r")
+            self._drawn = 0
+
+    def redraw(self) -> None:
+        if self._text:
+            self._draw()
+
+    def _draw(self) -> None:
+        columns = shutil.get_terminal_size((100, 24)).columns
+        text = self._text[:max(columns - 1, 10)]  # a wrapped line could not be overwritten
+        self._write("\r" + text.ljust(self._drawn))
+        self._drawn = len(text)
+
+    def _write(self, text: str) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.stream = None
+
+
 class ProgressLogger:
+    """Prints the progress lines, draws the bar and fans every record out to the sinks.
+
+    out_dir: metrics.jsonl (and the backends `log` asks for) go there; give it on one rank only.
+    log: the `log:` config section (backends, progress_bar); None: no backends, no bar.
+    run_config: the whole config as a dict, stored with the W&B run.
+    first_step: the first step this process runs (a resumed run's checkpoint step); the clock starts
+        when the logger is made, so make it after the checkpoint is loaded.
+    append: a resumed run appends to metrics.jsonl after a {"step": first_step, "resumed": true}
+        marker instead of starting it afresh.
+    sinks: more sinks besides those of out_dir and log.
+    bar_stream: where the bar is drawn (default stdout).
+    """
+
     def __init__(self, total_steps: int, log_every: int, tokens_per_step: int, device: torch.device,
                  flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
-                 out_dir: str = "", print_fn=None):
+                 out_dir: str = "", print_fn=None, *, log: Optional[LogConfig] = None,
+                 run_config: Optional[dict] = None, append: bool = False, first_step: int = 0,
+                 sinks: Sequence[MetricsSink] = (), bar_stream: Optional[TextIO] = None):
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.tokens_per_step, self.device = tokens_per_step, device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.first_step = first_step
         self.print = print_fn or (lambda line: print(line, flush=True))
         self.out_dir = Path(out_dir) if out_dir else None
-        self.losses: List[float] = []                      # every step's training loss
-        self.val_points: List[tuple] = []                  # (step, val_loss)
+        self.losses: List[float] = []                      # every step's training loss, this process
+        self.loss_points: List[Tuple[int, float]] = []     # (step, loss) of the same steps
+        self.val_points: List[Tuple[int, float]] = []      # (step, val_loss)
         self.records: List[dict] = []                      # what each printed line reported
+        self.last_step: Optional[int] = None
         self._pending: List[torch.Tensor] = []             # losses not yet read from the device
-        self._paused_s = 0.0
-        self._start = self._interval_start = time.perf_counter()
-        self._interval_paused = 0.0
-        self._interval_steps = 0
-        self.train_time_s = 0.0                            # wall time minus pauses
-        self._metrics = None
+        self._pending_steps: List[int] = []
+        self._earlier: List[dict] = []                     # records before a resume, for loss.png
+
+        self.sinks: List[MetricsSink] = []
+        self._ground_truth: Optional[MetricsSink] = None
         if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.out_dir / "metrics.jsonl", "w", encoding="utf-8")
+            metrics_path = self.out_dir / METRICS_FILE
+            if append and metrics_path.is_file():
+                self._earlier = [r for r in read_metrics(metrics_path) if r.get("step", -1) < first_step]
+            self.sinks = sinks_from_config(log, self.out_dir, run_config, append, first_step)
+            self._ground_truth = next(s for s in self.sinks if isinstance(s, JsonlSink))
+        self.sinks.extend(sinks)
+
+        mode = log.progress_bar if log is not None else "off"
+        stream = bar_stream if bar_stream is not None else sys.stdout
+        wanted = mode == "on" or (mode == "auto" and is_terminal(stream))
+        self.bar: Optional[ProgressBar] = ProgressBar(stream) if wanted else None
+        if append:
+            self.record({"step": first_step, "resumed": True})
+        # the clock starts last: opening the backends (wandb.init takes seconds) is not training time
+        self._start = self._interval_start = time.perf_counter()
+        self._interval_paused = self._paused_total = 0.0
+        self._interval_steps = self._steps_done = 0
+        self.train_time_s = 0.0                            # wall time minus pauses, at the last line
 
     def due(self, step: int) -> bool:
-        return step == 0 or step % self.log_every == 0 or step == self.total_steps - 1
+        return (step in (0, self.first_step) or step % self.log_every == 0
+                or step == self.total_steps - 1)
 
     @contextlib.contextmanager
     def paused(self):
@@ -100,17 +197,33 @@ class ProgressLogger:
         try:
             yield
         finally:
-            self._interval_paused += time.perf_counter() - start
+            pause = time.perf_counter() - start
+            self._interval_paused += pause
+            self._paused_total += pause
+
+    def say(self, line: str) -> None:
+        """Print a line above the bar; a trainer prints through this while the loop runs."""
+        if self.bar is not None:
+            self.bar.hide()
+        self.print(line)
+        if self.bar is not None:
+            self.bar.redraw()
 
     def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> Optional[dict]:
         """Record one finished step; print and return a record when a line is due."""
         self._pending.append(loss.detach().float().reshape(()))
+        self._pending_steps.append(step)
         self._interval_steps += 1
+        self._steps_done += 1
+        self.last_step = step
         if not self.due(step):
+            self._update_bar(step)
             return None
         losses = torch.stack(self._pending).tolist()       # one device sync per line
-        self._pending.clear()
         self.losses.extend(losses)
+        self.loss_points.extend(zip(self._pending_steps, losses))
+        self._pending.clear()
+        self._pending_steps.clear()
         grad_norm_value = float(grad_norm)
         now = time.perf_counter()
         interval_s = max(now - self._interval_start - self._interval_paused, 1e-9)
@@ -133,13 +246,25 @@ class ProgressLogger:
         }
         self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
         self.records.append(record)
-        self.print(self.format(record))
-        self._write(record)
+        self.say(self.format(record))
+        self._emit(record)
+        self._update_bar(step, force=True)
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(
                 f"training loss is {record['loss']} at step {step}: lower train.lr or raise "
                 f"train.warmup_steps, or check train.dtype")
         return record
+
+    def _update_bar(self, step: int, force: bool = False) -> None:
+        if self.bar is None:
+            return
+        train_s = max(time.perf_counter() - self._start - self._paused_total, 1e-9)
+        steps_per_s = self._steps_done / train_s
+        remaining = self.total_steps - 1 - step
+        loss = f"{self.records[-1]['loss']:.4f}" if self.records else "-"
+        details = (f"loss {loss} | {steps_per_s:.2f} step/s | "
+                   f"eta {format_duration(remaining / steps_per_s)}")
+        self.bar.show(ProgressBar.render(step + 1, self.total_steps, details), force=force)
 
     def _mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.flops_per_token or not self.peak_flops:
@@ -155,21 +280,49 @@ class ProgressLogger:
                 f"grad_norm {r['grad_norm']:.2f} | tok/s {r['tokens_per_s']:,.0f} | mfu {mfu} | "
                 f"mem {r['mem_mib']:,.0f} MiB | eta {format_duration(r['eta_s'])}")
 
-    def eval(self, step: int, val_loss: float) -> None:
-        self.val_points.append((step, val_loss))
-        self.print(f"eval step {step}/{self.total_steps} | val_loss {val_loss:.4f} | "
-                   f"val_bpb {val_loss / math.log(2):.3f}")
-        self._write({"step": step, "val_loss": val_loss})
+    def eval(self, step: int, val_loss: Optional[float],
+             val_loss_by_position: Optional[Dict[str, float]] = None) -> dict:
+        """An evaluation after `step`: prints the eval line and records val_loss (None: no labelled
+        tokens) and, if given, the loss by position bucket {"start-end": loss}."""
+        if val_loss is None:
+            self.say(f"eval step {step}/{self.total_steps} | val_loss n/a")
+        else:
+            self.val_points.append((step, val_loss))
+            self.say(f"eval step {step}/{self.total_steps} | val_loss {val_loss:.4f} | "
+                     f"val_bpb {val_loss / math.log(2):.3f}")
+        record = {"step": step, "val_loss": val_loss}
+        if val_loss_by_position is not None:
+            record["val_loss_by_position"] = dict(val_loss_by_position)
+        self._emit(record)
         self.plot()
+        return record
 
-    def _write(self, record: dict) -> None:
-        if self._metrics is not None:
-            self._metrics.write(json.dumps(record) + "\n")
-            self._metrics.flush()
+    def record(self, record: dict, line: Optional[str] = None) -> None:
+        """Send any other record to every sink, e.g. {"step", "skipped_step", "reason"} or
+        {"step", "checkpoint": path}; `line`, if given, is printed above the bar."""
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"record={record!r} needs an integer 'step' (metrics.jsonl orders by it)")
+        if line is not None:
+            self.say(line)
+        self._emit(record)
+
+    def _emit(self, record: dict) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as err:
+                if sink is self._ground_truth:
+                    raise
+                # a failing backend must not stop a long run; metrics.jsonl goes on
+                self.sinks.remove(sink)
+                self.say(f"note: {type(sink).__name__} failed ({type(err).__name__}: {err}); "
+                         f"it gets no more records, {METRICS_FILE} has them all")
 
     def plot(self) -> Optional[Path]:
         """Write loss.png to out_dir when matplotlib is importable; return its path or None."""
-        if self.out_dir is None or not self.losses:
+        train_points = [(r["step"], r["loss"]) for r in self._earlier if "loss" in r] + self.loss_points
+        if self.out_dir is None or not train_points:
             return None
         try:
             import matplotlib
@@ -177,10 +330,11 @@ class ProgressLogger:
             import matplotlib.pyplot as plt
         except Exception:
             return None
+        val_points = [(r["step"], r["val_loss"]) for r in self._earlier if "val_loss" in r] + self.val_points
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(range(len(self.losses)), self.losses, lw=0.8, label="train")
-        if self.val_points:
-            ax.plot(*zip(*self.val_points), "o-", label="val")
+        ax.plot(*zip(*train_points), lw=0.8, label="train")
+        if val_points:
+            ax.plot(*zip(*val_points), "o-", label="val")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -192,9 +346,19 @@ class ProgressLogger:
         return path
 
     def close(self, summary: Optional[dict] = None) -> None:
+        """Write the summary record (at the last step), loss.png, and close every sink; idempotent."""
+        if self.bar is not None:
+            self.bar.hide()
         if summary is not None:
-            self._write({"summary": summary})
+            last = self.last_step if self.last_step is not None else self.first_step
+            self._emit({"step": last, "summary": summary})
         self.plot()
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        sinks, self.sinks = self.sinks, []
+        errors = []
+        for sink in sinks:  # every sink gets closed even if one fails
+            try:
+                sink.close()
+            except Exception as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]

@@ -3,7 +3,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from gdn_parallel.config import Config, ConfigError, ModelConfig, TrainConfig
 from gdn_parallel.ops.triton_dispatch import check_kernel_config, kernel_module
@@ -59,7 +58,6 @@ def test_every_config_file_and_the_defaults_validate():
 BAD_INPUTS = [
     # model
     ("model.vocab_size=0", "model.vocab_size"),
-    ("model.vocab_size=100", "model.vocab_size"),             # fewer ids than the byte tokens
     ("model.hidden_size=0", "model.hidden_size"),
     ("model.hidden_size=1.5", "model.hidden_size"),
     ("model.n_layers=0", "model.n_layers"),
@@ -158,6 +156,21 @@ BAD_INPUTS = [
     ("parallel.virtual_stages=2", "parallel.virtual_stages"),  # 1f1b has one stage per rank
     ("parallel.data_parallel=zero", "parallel.data_parallel"),
     ("parallel.cp_algorithm=ring", "parallel.cp_algorithm"),
+    ("train.max_skipped_steps=0", "train.max_skipped_steps"),
+    ("data.text_suffixes=txt", "data.text_suffixes"),
+    ("data.text_suffixes='*.txt'", "data.text_suffixes"),
+    ("data.packing=rows", "data.packing"),
+    # checkpoint
+    ("checkpoint.interval=-1", "checkpoint.interval"),
+    ("checkpoint.interval=5", "checkpoint.interval"),          # no train.out_dir to write under
+    ("checkpoint.keep=-2", "checkpoint.keep"),
+    ("checkpoint.async_save=2", "checkpoint.async_save"),
+    ("checkpoint.enabled=maybe", "checkpoint.enabled"),
+    # log
+    ("log.tensorboard=maybe", "log.tensorboard"),
+    ("log.wandb_project=[1]", "log.wandb_project"),
+    ("log.wandb_mode=cloud", "log.wandb_mode"),
+    ("log.progress_bar=sometimes", "log.progress_bar"),
 ]
 
 
@@ -172,6 +185,15 @@ def test_bad_inputs_cover_every_field():
     named = {field for _, field in BAD_INPUTS}
     every = {f"{section}.{name}" for section, values in Config().to_dict().items() for name in values}
     assert every - named == set()
+
+
+def test_vocabulary_smaller_than_the_data_fails_at_start_up():
+    """Checked against the data's largest token id (its metadata), before the model is built."""
+    from gdn_parallel.config import DataConfig
+    from gdn_parallel.data import check_vocabulary
+    with pytest.raises(ConfigError, match="model.vocab_size=100"):
+        check_vocabulary(DataConfig(), 100)
+    check_vocabulary(DataConfig(), 256)
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):

@@ -4,11 +4,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from gdn_parallel.config import Config, ConfigError, TrainConfig
+from gdn_parallel.config import Config, ConfigError, ParallelConfig, TrainConfig
 from gdn_parallel.data.packing import packed_batches
 from gdn_parallel.model import HybridLM
-from gdn_parallel.train.loop import accumulate_gradients, run_training
+from gdn_parallel.parallel.mesh import build_mesh
+from gdn_parallel.parallel.parallelize import parallelize
+from gdn_parallel.train import run_training
 from tests.compare import assert_close_set
 from tests.parallel.test_layouts import model_config
 from tests.seeds import generator, seed_torch
@@ -19,13 +22,22 @@ def _documents(count, seed):
     return [torch.randint(0, 64, (int(n),), generator=gen) for n in torch.randint(5, 40, (count,), generator=gen)]
 
 
-def test_split_batch_gives_the_same_gradients_and_update():
+@pytest.fixture
+def group_of_one():
+    """The trainer's single-process group (gloo, in-memory store)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield build_mesh(ParallelConfig(), "cpu")
+    dist.destroy_process_group()
+
+
+def test_split_batch_gives_the_same_gradients_and_update(group_of_one):
     seed_torch(0)
     whole = HybridLM(model_config())
     documents = _documents(30, seed=1)
     results = {}
     for micro in (4, 2, 1):
-        model = copy.deepcopy(whole)
+        parallel = parallelize(copy.deepcopy(whole), group_of_one)  # what the trainer steps through
+        model = parallel.model
         # SGD: the parameters then carry the accumulated gradients exactly. (AdamW's first update is
         # lr * g / |g| per element, which turns a gradient element at rounding level into a full step
         # of either sign; the loop test below trains with AdamW and compares the losses.)
@@ -34,7 +46,7 @@ def test_split_batch_gives_the_same_gradients_and_update():
         losses, grads = {}, {}
         for step in range(2):
             microbatches = [next(batches) for _ in range(4 // micro)]
-            losses[f"loss{step}"] = accumulate_gradients(model, microbatches, "float32", torch.device("cpu"))
+            losses[f"loss{step}"] = parallel.train_step(microbatches)
             grads.update({f"{name} grad{step}": p.grad.clone() for name, p in model.named_parameters()})
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

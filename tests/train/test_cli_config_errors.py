@@ -2,7 +2,7 @@
 steps/warmup rule to `--steps N` and `--set train.steps=N`. No training runs here."""
 import pytest
 
-from gdn_parallel.train import distributed, loop
+from gdn_parallel.train import trainer
 from gdn_parallel.train.__main__ import build_parser, load_config, main
 
 
@@ -11,8 +11,7 @@ def no_training(monkeypatch):
     """Fail the test if a command line gets past loading its config."""
     def refuse(*args, **kwargs):
         raise AssertionError("training started: the config error was not caught at start-up")
-    monkeypatch.setattr(loop, "run_training", refuse)
-    monkeypatch.setattr(distributed, "run_distributed_training", refuse)
+    monkeypatch.setattr(trainer, "run_training", refuse)
 
 
 @pytest.mark.parametrize("argv,field", [

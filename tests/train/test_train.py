@@ -13,7 +13,7 @@ import torch
 from gdn_parallel.config import Config, ModelConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.train.__main__ import build_parser, load_config, main, resolve_config_path
-from gdn_parallel.train.loop import param_groups
+from gdn_parallel.train.optim import param_groups
 from gdn_parallel.train.progress import ProgressLogger, format_duration
 from gdn_parallel.train.schedule import lr_at
 

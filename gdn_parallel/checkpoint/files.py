@@ -1,0 +1,78 @@
+"""Where checkpoints live and which ones count.
+
+    <train.out_dir>/checkpoints/step_<N>/        N = completed optimizer steps
+        .metadata, *.distcp                       torch.distributed.checkpoint (model, optimizer)
+        trainer_state.json                        step, data positions, config, layout (rank 0)
+        rng_rank<r>.pt                            each rank's random generator states
+        COMPLETE                                  written last, after every rank has finished
+
+A checkpoint is written under a temporary name (`step_<N>.partial`) and renamed once complete, so
+an interrupted save never looks like a checkpoint: `--resume auto` takes the newest `step_<N>` that
+holds COMPLETE and ignores everything else.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import List, Optional
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_dir(out_dir: str) -> Path:
+    return Path(out_dir) / CHECKPOINTS
+
+
+def final_path(out_dir: str, step: int) -> Path:
+    return checkpoints_dir(out_dir) / f"step_{step}"
+
+
+def partial_path(out_dir: str, step: int) -> Path:
+    return checkpoints_dir(out_dir) / f"step_{step}.partial"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
+
+
+def complete_checkpoints(out_dir: str) -> List[Path]:
+    """Complete checkpoints under out_dir, oldest first."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(out_dir: str) -> Optional[Path]:
+    found = complete_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+def publish(out_dir: str, step: int) -> Path:
+    """Mark the partial checkpoint of `step` complete and give it its final name (rank 0, after every
+    rank has written). A checkpoint of the same step from an earlier run is replaced."""
+    partial, final = partial_path(out_dir, step), final_path(out_dir, step)
+    (partial / COMPLETE).write_text("")
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    return final
+
+
+def prune(out_dir: str, keep: int) -> List[Path]:
+    """Delete all but the newest `keep` complete checkpoints (keep 0: delete none); returns the deleted."""
+    if keep <= 0:
+        return []
+    old = complete_checkpoints(out_dir)[:-keep]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old

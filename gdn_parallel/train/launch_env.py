@@ -1,0 +1,382 @@
+"""Which launcher started this process, and the torch.distributed set-up that follows from it.
+
+    env = detect_launch_env()                  # None: one plain process
+    argv = strip_launcher_args(sys.argv[1:])   # DeepSpeed's --local_rank=N is not the trainer's option
+    if env is not None:
+        device = init_distributed(env)         # RANK, WORLD_SIZE, ... -> os.environ; init_process_group
+
+Launchers, in order of precedence (the first whose variables are present wins):
+
+  1. torch.distributed's variables RANK and WORLD_SIZE (with LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+     MASTER_PORT): torchrun, or the DeepSpeed launcher, which sets them too (LOCAL_SIZE for the local
+     world) and passes `--local_rank=N` on the command line, or a user by hand.
+  2. Open MPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE.
+  3. PMI (MPICH and Intel MPI's Hydra, Cray PALS): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID (or
+     PALS_LOCAL_RANKID), MPI_LOCALNRANKS (or PALS_LOCAL_SIZE). PMI_RANK without those inside an srun
+     step (srun --mpi=pmi2) is read as that Slurm step.
+  4. Slurm, inside an srun step (SLURM_STEP_ID set): SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS,
+     SLURM_LOCALID, tasks per node from SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE (forms like
+     "4(x2),3"), else SLURM_NTASKS_PER_NODE.
+
+Why this order: launchers nest, and the innermost one describes the worker processes. torchrun or
+DeepSpeed under srun run one Slurm task per node; mpirun inside an allocation starts its daemons with
+srun, so its ranks inherit a per-node task's SLURM_*. A batch script or a bare salloc shell carries
+SLURM_PROCID too but is one process, hence Slurm counts only inside an srun step.
+
+MASTER_ADDR and MASTER_PORT from the environment always win. Otherwise Slurm takes the first host of the
+step's node list (rank 0's node under the default block distribution) and a port derived from
+SLURM_JOB_ID, so that concurrent jobs on one node differ. MPI takes 127.0.0.1 when every rank is on one
+node, else rank 0's hostname broadcast with mpi4py when it imports (a collective: every rank must reach
+its first detect_launch_env; later calls reuse the answer), else it fails asking for MASTER_ADDR. The
+other launchers' port defaults to 29500.
+
+A launch of a single process (world size 1) is a plain single process: detect_launch_env returns None.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+
+DEFAULT_MASTER_PORT = 29500
+# Slurm's default port: SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, below Linux's ephemeral ports (32768+).
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 10000
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchEnvError(ConfigError):
+    """The launcher's variables are missing or contradict each other; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # torchrun | deepspeed | torch-env | openmpi | pmi | slurm
+
+    def __str__(self) -> str:
+        return (f"{self.launcher}: rank {self.rank}/{self.world_size} (local {self.local_rank}/"
+                f"{self.local_world_size}), master {self.master_addr}:{self.master_port}")
+
+
+def detect_launch_env(environ: Optional[Mapping[str, str]] = None,
+                      argv: Optional[Sequence[str]] = None) -> Optional[LaunchEnv]:
+    """The launch this process is part of (precedence: the module docstring), or None for one process.
+    environ defaults to os.environ, argv to sys.argv[1:]. Raises LaunchEnvError naming the variable."""
+    environ = os.environ if environ is None else environ
+    argv = sys.argv[1:] if argv is None else argv
+    for parse in (_torch_launch, _open_mpi_launch, _pmi_launch, _slurm_launch):
+        env = parse(environ, argv)
+        if env is not None:
+            return env if env.world_size > 1 else None
+    return None
+
+
+def strip_launcher_args(argv: Sequence[str]) -> List[str]:
+    """argv without the launcher's `--local_rank=N`, `--local_rank N` (or `--local-rank`): DeepSpeed
+    passes it, the trainer's parser does not know it, and LOCAL_RANK carries the same number."""
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+            if _is_int(arg):
+                continue
+        if arg in LOCAL_RANK_FLAGS:
+            skip_value = True
+        elif not arg.startswith(tuple(flag + "=" for flag in LOCAL_RANK_FLAGS)):
+            kept.append(arg)
+    return kept
+
+
+def export_launch_env(env: LaunchEnv) -> None:
+    """Write env into os.environ under torch.distributed's names, which env:// initialisation reads."""
+    os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+                      LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
+                      MASTER_PORT=str(env.master_port))
+
+
+def init_distributed(env: LaunchEnv, timeout_s: float = 1800.0) -> torch.device:
+    """Join the process group of env: NCCL with GPU local_rank when CUDA is available, else gloo on the
+    CPU. Returns this process's device. timeout_s bounds every collective, start-up included."""
+    export_launch_env(env)
+    cuda = torch.cuda.is_available()
+    device = _cuda_device(env) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def expand_hostlist(hostlist: str) -> List[str]:
+    """Slurm's compressed host list, e.g. "node[01-03,07],gpu5" -> node01 node02 node03 node07 gpu5
+    (zero padding kept; several brackets in one name multiply: "r[1-2]n[1-2]" -> r1n1 r1n2 r2n1 r2n2)."""
+    hosts: List[str] = []
+    for name in _split_outside_brackets(hostlist.strip()):
+        hosts.extend(_expand_name(name, hostlist))
+    return hosts
+
+
+def parse_tasks_per_node(spec: str) -> List[int]:
+    """Slurm's tasks per node, e.g. "4(x2),3" -> [4, 4, 3]."""
+    counts: List[int] = []
+    for item in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise LaunchEnvError(f"cannot read tasks per node {spec!r}: expected items like 4 or 4(x2)")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+# --- one parser per launcher: None when its variables are absent ---------------------------------------
+
+def _torch_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return None
+    argv_local_rank = _local_rank_from_argv(argv)
+    launcher = ("deepspeed" if argv_local_rank is not None or "CROSS_RANK" in environ
+                else "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "torch-env")
+    read = _Reader(environ, launcher)
+    world, world_name = read.int("WORLD_SIZE")
+    rank, rank_name = read.int("RANK", default=0 if world == 1 else None)
+    if world == 1 and rank == 0:  # one process (WORLD_SIZE=1 exported, torchrun --nproc_per_node=1)
+        return LaunchEnv(0, 1, 0, 1, "127.0.0.1", DEFAULT_MASTER_PORT, launcher)
+    if "LOCAL_RANK" in environ:
+        local_rank, local_name = read.int("LOCAL_RANK")
+        if argv_local_rank is not None and argv_local_rank != local_rank:
+            raise LaunchEnvError(f"LOCAL_RANK={local_rank} but the command line has --local_rank="
+                                 f"{argv_local_rank}: start the process with one local rank")
+    elif argv_local_rank is not None:
+        local_rank, local_name = argv_local_rank, "--local_rank"
+    else:
+        local_rank, local_name = read.int("LOCAL_RANK")  # raises: missing
+    local_world, local_world_name = read.int("LOCAL_WORLD_SIZE", "LOCAL_SIZE", default=world)
+    master_addr = read.text("MASTER_ADDR")
+    master_port, port_name = read.int("MASTER_PORT", default=DEFAULT_MASTER_PORT)
+    return _checked(launcher, rank, world, local_rank, local_world, master_addr, master_port,
+                    (rank_name, world_name, local_name, local_world_name, port_name))
+
+
+def _open_mpi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+    if "OMPI_COMM_WORLD_RANK" not in environ:
+        return None
+    read = _Reader(environ, "openmpi")
+    return _mpi_env(read, read.int("OMPI_COMM_WORLD_RANK"), read.int("OMPI_COMM_WORLD_SIZE"),
+                    read.int("OMPI_COMM_WORLD_LOCAL_RANK"), read.int("OMPI_COMM_WORLD_LOCAL_SIZE"))
+
+
+def _pmi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+    if "PMI_RANK" not in environ:
+        return None
+    read = _Reader(environ, "pmi")
+    if read.first_set("MPI_LOCALRANKID", "PALS_LOCAL_RANKID") is None and _slurm_step(environ):
+        return None  # srun --mpi=pmi2 sets PMI_RANK too: the Slurm parser reads that step, node list included
+    local_rank = read.int("MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
+    local_world = read.int("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE")
+    return _mpi_env(read, read.int("PMI_RANK"), read.int("PMI_SIZE"), local_rank, local_world)
+
+
+def _slurm_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+    if "SLURM_PROCID" not in environ or not _slurm_step(environ):
+        return None
+    read = _Reader(environ, "slurm")
+    world, world_name = read.int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    rank, rank_name = read.int("SLURM_PROCID")
+    local_rank, local_name = read.int("SLURM_LOCALID")
+    local_world, local_world_name = _slurm_tasks_on_this_node(read)
+    if read.first_set("MASTER_ADDR"):
+        master_addr = read.text("MASTER_ADDR")
+    else:
+        nodelist = read.text("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        master_addr = expand_hostlist(nodelist)[0]
+    if read.first_set("MASTER_PORT"):
+        master_port, port_name = read.int("MASTER_PORT")
+    else:
+        job_id, port_name = read.int("SLURM_JOB_ID", "SLURM_JOBID")
+        master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    return _checked("slurm", rank, world, local_rank, local_world, master_addr, master_port,
+                    (rank_name, world_name, local_name, local_world_name, port_name))
+
+
+def _slurm_step(environ: Mapping[str, str]) -> bool:
+    """Inside an srun step: srun sets SLURM_STEP_ID, a batch script or a bare salloc shell does not."""
+    return "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
+
+
+def _slurm_tasks_on_this_node(read: "_Reader") -> Tuple[int, str]:
+    spec_name = read.first_set("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    if spec_name is None:
+        return read.int("SLURM_NTASKS_PER_NODE")
+    counts = parse_tasks_per_node(read.environ[spec_name])
+    node, node_name = read.int("SLURM_NODEID", default=0)
+    if not 0 <= node < len(counts):
+        raise LaunchEnvError(f"slurm launch: {node_name}={node} but {spec_name}="
+                             f"{read.environ[spec_name]!r} lists {len(counts)} nodes")
+    return counts[node], spec_name
+
+
+def _mpi_env(read: "_Reader", rank: Tuple[int, str], world: Tuple[int, str], local_rank: Tuple[int, str],
+             local_world: Tuple[int, str]) -> LaunchEnv:
+    names = (rank[1], world[1], local_rank[1], local_world[1], "MASTER_PORT")
+    master_port, _ = read.int("MASTER_PORT", default=DEFAULT_MASTER_PORT)
+    # Check the numbers first: a broken launch must not reach the mpi4py collective below.
+    _checked(read.launcher, rank[0], world[0], local_rank[0], local_world[0], "unknown", master_port, names)
+    if read.first_set("MASTER_ADDR"):
+        master_addr = read.text("MASTER_ADDR")
+    elif local_world[0] == world[0]:
+        master_addr = "127.0.0.1"  # every rank on this node
+    else:
+        master_addr = _rank0_hostname_from_mpi()
+        if master_addr is None:
+            raise LaunchEnvError(
+                f"{read.launcher} launch over several nodes: set MASTER_ADDR to the host of rank 0 (the "
+                f"first host of your hostfile) and pass it to every rank (Open MPI: mpirun -x MASTER_ADDR; "
+                f"MPICH / Intel MPI: -genv MASTER_ADDR), or `pip install mpi4py` to find it through MPI")
+    return _checked(read.launcher, rank[0], world[0], local_rank[0], local_world[0], master_addr, master_port,
+                    names)
+
+
+@functools.lru_cache(maxsize=None)
+def _rank0_hostname_from_mpi() -> Optional[str]:
+    """Rank 0's hostname on every rank, through MPI; None when mpi4py is not installed. A collective, run
+    once: every rank reaches the first call, later calls (a second detect_launch_env) reuse its answer."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD.bcast(socket.gethostname(), root=0)
+
+
+def _checked(launcher: str, rank: int, world: int, local_rank: int, local_world: int, master_addr: str,
+             master_port: int, names: Tuple[str, str, str, str, str]) -> LaunchEnv:
+    rank_name, world_name, local_name, local_world_name, port_name = names
+    where = f"{launcher} launch"
+    if world < 1:
+        raise LaunchEnvError(f"{where}: {world_name}={world} must be at least 1")
+    if not 0 <= rank < world:
+        raise LaunchEnvError(f"{where}: {rank_name}={rank} must be in [0, {world_name}={world})")
+    if not 1 <= local_world <= world:
+        raise LaunchEnvError(f"{where}: {local_world_name}={local_world} must be in "
+                             f"[1, {world_name}={world}]")
+    if not 0 <= local_rank < local_world:
+        raise LaunchEnvError(f"{where}: {local_name}={local_rank} must be in "
+                             f"[0, {local_world_name}={local_world})")
+    if not 0 < master_port < 65536:
+        raise LaunchEnvError(f"{where}: {port_name} gives port {master_port}, outside 1..65535")
+    return LaunchEnv(rank, world, local_rank, local_world, master_addr, master_port, launcher)
+
+
+class _Reader:
+    """Reads a launcher's variables; every error names the variable and the launcher."""
+
+    def __init__(self, environ: Mapping[str, str], launcher: str):
+        self.environ, self.launcher = environ, launcher
+
+    def first_set(self, *names: str) -> Optional[str]:
+        return next((name for name in names if self.environ.get(name, "").strip()), None)
+
+    def text(self, *names: str) -> str:
+        name = self.first_set(*names)
+        if name is None:
+            raise LaunchEnvError(f"{self.launcher} launch: {' / '.join(names)} is not set; "
+                                 f"{_HOW_TO_SET.get(names[0], 'set it for every process')}")
+        return self.environ[name].strip()
+
+    def int(self, *names: str, default: Optional[int] = None) -> Tuple[int, str]:
+        """(value, the variable it came from); default when none is set, else an error if no default."""
+        if default is not None and self.first_set(*names) is None:
+            return default, names[0]
+        name = self.first_set(*names)
+        raw = self.text(*names)
+        if not _is_int(raw):
+            raise LaunchEnvError(f"{self.launcher} launch: {name}={raw!r} is not an integer")
+        return int(raw), name
+
+
+_HOW_TO_SET: Dict[str, str] = {
+    "MASTER_ADDR": "set it to the host of rank 0 on every process",
+    "LOCAL_RANK": "set it to the process's index on its node (the launcher normally does)",
+    "WORLD_SIZE": "set it to the number of processes (RANK alone does not make a launch)",
+    "RANK": "set it to the process's global index, 0 .. WORLD_SIZE - 1",
+    "SLURM_STEP_NODELIST": "srun sets it; or set MASTER_ADDR to the host of rank 0",
+    "MPI_LOCALRANKID": "launch with mpiexec (Hydra), which sets it, or set it to the rank's index on its "
+                       "node",
+    "MPI_LOCALNRANKS": "launch with mpiexec (Hydra), which sets it, or set it to the ranks on this node",
+}
+
+
+def _local_rank_from_argv(argv: Sequence[str]) -> Optional[int]:
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag not in LOCAL_RANK_FLAGS:
+            continue
+        if not value and arg == flag:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if not _is_int(value):
+            raise LaunchEnvError(f"command line: {flag} needs an integer, got {value!r}")
+        return int(value)
+    return None
+
+
+def _is_int(text: str) -> bool:
+    return re.fullmatch(r"\s*[+-]?\d+\s*", text) is not None
+
+
+def _cuda_device(env: LaunchEnv) -> torch.device:
+    count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    # A launcher that binds one GPU per process (srun --gpus-per-task=1) leaves each process one device.
+    index = 0 if count == 1 else env.local_rank
+    if index >= count:
+        raise LaunchEnvError(f"{env.launcher} launch: local rank {env.local_rank} has no GPU: this process "
+                             f"sees {count} (CUDA_VISIBLE_DEVICES={visible!r}); "
+                             f"start at most {count} processes per node")
+    return torch.device("cuda", index)
+
+
+def _split_outside_brackets(text: str) -> List[str]:
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise LaunchEnvError(f"cannot read host list {text!r}: unbalanced or nested brackets")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise LaunchEnvError(f"cannot read host list {text!r}: a '[' is not closed")
+    parts.append(text[start:])
+    return [part.strip() for part in parts if part.strip()]
+
+
+def _expand_name(name: str, hostlist: str) -> List[str]:
+    match = re.search(r"\[([^\]]*)\]", name)
+    if match is None:
+        return [name]
+    head, tail = name[:match.start()], name[match.end():]
+    return [head + number + rest for number in _expand_ranges(match.group(1), hostlist)
+            for rest in _expand_name(tail, hostlist)]
+
+
+def _expand_ranges(ranges: str, hostlist: str) -> List[str]:
+    numbers: List[str] = []
+    for item in ranges.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", item)
+        if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
+            raise LaunchEnvError(f"cannot read host list {hostlist!r}: {item!r} is not N or N-M with N <= M")
+        first, last = match.group(1), match.group(2) or match.group(1)
+        numbers.extend(str(n).zfill(len(first)) for n in range(int(first), int(last) + 1))
+    return numbers

@@ -1,0 +1,71 @@
+"""The process group a run trains in, for every world size, and the device it trains on.
+
+Under a launcher (torchrun, DeepSpeed, Slurm, mpirun) the group spans the launched processes; a
+plain `python -m gdn_parallel.train` gets a group of one (an in-memory store, no port), so that one
+training loop serves every world size. A group that already exists (a test's workers, a host
+program) is used as it is and left open.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Iterator, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+
+# A rank stuck on a peer (one that died mid-relay, say) fails after this instead of hanging.
+GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+def resolve_device(name: str) -> torch.device:
+    """train.device of a single-process run: auto, cpu, cuda or cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ConfigError(f"train.device={name!r} is not a device: {err}; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but no CUDA device is available; use auto or cpu")
+    return device
+
+
+def is_launched() -> bool:
+    """Whether a launcher started several processes (its environment names the world size)."""
+    from .launch_env import detect_launch_env
+    env = detect_launch_env()
+    return env is not None and env.world_size > 1
+
+
+@contextlib.contextmanager
+def process_group(train_config) -> Iterator[Tuple[torch.device, bool]]:
+    """(device, launched): the group this process trains in is open inside the block."""
+    if dist.is_initialized():  # given by the caller: use it, leave it open
+        yield _device_of_group(train_config), dist.get_world_size() > 1
+        return
+    from .launch_env import detect_launch_env, init_distributed
+    env = detect_launch_env()
+    if env is not None and env.world_size > 1:
+        device = init_distributed(env)
+        launched = True
+    else:
+        device = resolve_device(train_config.device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=GROUP_TIMEOUT)
+        launched = False
+    try:
+        yield device, launched
+    finally:
+        dist.destroy_process_group()
+
+
+def _device_of_group(train_config) -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return resolve_device(train_config.device) if dist.get_world_size() == 1 else torch.device("cpu")

@@ -1,0 +1,284 @@
+"""The training loop, one for every world size: a single process is the world-size-1 case.
+
+    python -m gdn_parallel.train [--config FILE] [--resume auto|PATH]      (one process)
+    torchrun --nproc_per_node=8 -m gdn_parallel.train --set parallel.tp=2 ...   (any launcher)
+
+Per step: the dp replica's micro-batches (train.batch_size / train.microbatch_size rows of
+train.seq_len tokens) go through `ParallelModel.train_step` (forward + backward, gradients reduced
+over every mesh dimension), the global gradient norm is clipped, and AdamW steps, unless the loss or
+the gradient norm is not finite: then the step is skipped (nothing applied) and counted, and
+train.max_skipped_steps of them in a row stop the run. Validation (every train.eval_every steps and
+at the end) runs under the same layout. Checkpoints go to <train.out_dir>/checkpoints/step_<N>/
+(checkpoint.interval, always after the last step, and when SIGTERM or SIGINT asks the run to stop:
+the step in flight finishes, a checkpoint is saved and the run ends normally).
+
+Returns a summary dict: first_loss, final_loss, val_loss, steps, tokens_per_s, losses, ...
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+import threading
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
+from ..config import Config, ConfigError
+from ..data import TokenBatches, check_vocabulary, load_dataset
+from ..model import HybridLM, build_model
+from ..ops.triton_dispatch import check_kernel_config
+from ..parallel.mesh import build_mesh
+from ..parallel.parallelize import parallelize
+from ..parallel.pipeline import parts_of_rank
+from .evaluation import evaluate
+from .optim import autocast_dtype, build_optimizer
+from .progress import ProgressLogger, format_duration, peak_flops_per_s
+from .schedule import schedule_from_config
+from .session import process_group
+
+
+class StopRequest:
+    """SIGTERM / SIGINT ask the run to stop after the step in flight (all ranks agree each step)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank calls it at each step)."""
+        flag = torch.tensor([float(self.requested)], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_training(config: Config, print_fn: Optional[Callable[[str], None]] = None,
+                 resume: Optional[str] = None) -> dict:
+    config.validate()
+    with process_group(config.train) as (device, _launched):
+        return _train(config, device, print_fn, resume)
+
+
+def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config.validate(world_size=world)
+    train, pc = config.train, config.parallel
+    check_kernel_config(config.model, device.type == "cuda", train.dtype)
+    if train.dtype == "float16" and world > 1:
+        raise ConfigError("train.dtype=float16 needs a loss scaler, which sharded training does not use here; "
+                          "use bfloat16 or float32")
+    is_main = rank == 0
+    say = (print_fn or (lambda line: print(line, flush=True))) if is_main else (lambda line: None)
+    if train.threads > 0:
+        torch.set_num_threads(train.threads)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif train.dtype != "float32":
+        say(f"note: train.dtype={train.dtype} applies to CUDA autocast; training in float32 on {device}")
+
+    check_vocabulary(config.data, config.model.vocab_size)  # the data's largest id, from its metadata
+    dataset = load_dataset(config.data)
+    dims = build_mesh(pc, device.type)
+    with torch.device("meta"):  # the whole model's size and work, without its memory
+        skeleton = HybridLM(config.model)
+    flops_per_token = float(skeleton.flops_per_token(train.seq_len))
+    num_parameters = skeleton.num_parameters()
+    # Only this pipeline rank's parts are built, each from its own seed: every layout starts from the
+    # same weights, and no rank holds another stage's.
+    parts = parts_of_rank(config.model, pc, dims.rank("pp"), train.seq_len)
+    model = build_model(config.model, device, train.seed, keep=parts.__contains__)
+    parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len,
+                           activation_checkpointing=train.activation_checkpointing)
+    optimizer = build_optimizer(parallel.parameters(), train, device)
+    schedule = schedule_from_config(train)
+    scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and train.dtype == "float16" else None
+    amp_dtype = autocast_dtype(train.dtype, device)
+
+    # One global stream of rows in a fixed order, cut into micro-batches of dp x rows: replica r takes the
+    # r-th slice of each. Its position is saved, so a resume continues at the next unseen token under
+    # any layout (gdn_parallel/data/stream.py).
+    batches = TokenBatches.from_config(config.data, train.seq_len, train.microbatch_rows,
+                                       dp_rank=dims.rank("dp"), dp_size=pc.dp, dataset=dataset)
+    # Every replica evaluates the whole validation set: the same steps on every rank (collectives), and
+    # the global mean is unchanged by counting each token once per replica.
+    val_steps = _validation_steps(dataset, config)
+    tokens_per_step = train.batch_size * train.seq_len * pc.dp
+
+    say(f"data  | {dataset.describe()}")
+    say(f"model | {num_parameters:,} parameters | layers {config.model.layer_types} | "
+        f"hidden {config.model.hidden_size}")
+    if world > 1:
+        say(f"mesh  | pp {pc.pp} x dp {pc.dp} x cp {pc.cp} x tp {pc.tp} ({pc.data_parallel}, "
+            f"cp {pc.cp_algorithm}, sp {pc.sequence_parallel}, {train.microbatches} micro-batches) on "
+            f"{world} {device.type} processes")
+    say(f"train | device {device} | dtype {train.dtype} | threads {torch.get_num_threads()} | "
+        f"{train.steps} steps x {train.batch_size} x {train.seq_len} tokens | lr {train.lr:g} "
+        f"warmup {train.warmup_steps}")
+    if train.out_dir and is_main:
+        Path(train.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(train.out_dir) / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+
+    start_step = 0
+    checkpoint = resolve_resume(resume, train.out_dir)
+    if resume and checkpoint is None:
+        say(f"resume | no checkpoint under {train.out_dir}/checkpoints yet: starting from step 0")
+    if checkpoint is not None:
+        saved = load_checkpoint(checkpoint, parallel.named_parameters(), optimizer, dims, config,
+                                same_layout=lambda s: s.get("layout") == _layout(config, world))
+        start_step = int(saved["step"])
+        batches.load_state_dict(saved["data"]["stream"])
+        say(f"resume | {checkpoint} | step {start_step}" + ("" if saved.get("layout") == _layout(config, world)
+                                                           else f" | saved under {saved.get('layout')}"))
+
+    saver = (CheckpointSaver(train.out_dir, config.checkpoint.keep, config.checkpoint.async_save)
+             if config.checkpoint.enabled and train.out_dir else None)
+    logger = ProgressLogger(train.steps, train.log_every, tokens_per_step, device,
+                            flops_per_token=flops_per_token,
+                            peak_flops=_cluster_peak(train, device, world),
+                            out_dir=train.out_dir if is_main else "", print_fn=say,
+                            first_step=start_step, append=checkpoint is not None,
+                            log=config.log if is_main else None, run_config=config.to_dict())
+    say = logger.say if is_main else say  # lines above the progress bar, when there is one
+    stop = StopRequest()
+    clip = train.grad_clip if train.grad_clip > 0 else math.inf
+    val_loss, skipped_in_row, step = None, 0, start_step - 1
+    try:
+        for step in range(start_step, train.steps):
+            microbatches = [next(batches).to(device, non_blocking=True) for _ in range(train.microbatches)]
+            lr = schedule(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = parallel.train_step(microbatches, autocast_dtype=amp_dtype, scaler=scaler)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            grad_norm = parallel.clip_grad_norm(clip)
+            finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # global values: ranks agree
+            if finite or scaler is not None:  # the scaler skips non-finite fp16 steps itself
+                skipped_in_row = 0
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if not finite and scaler is None:
+                skipped_in_row += 1
+                _skip(logger, say, step, loss, grad_norm, skipped_in_row, train.max_skipped_steps)
+            else:
+                logger.step(step, loss, lr, grad_norm)
+            last = step == train.steps - 1
+            stopping = stop.agreed(device) and not last
+            if val_steps and (last or stopping or (train.eval_every and (step + 1) % train.eval_every == 0)):
+                with logger.paused():  # evaluation time is not training throughput
+                    result = evaluate(parallel, val_steps, train.seq_len, amp_dtype)
+                    val_loss = result["val_loss"]
+                    logger.eval(step, val_loss, result["val_loss_by_position"])
+            if saver is not None:
+                saver.poll()
+                interval = config.checkpoint.interval
+                if last or stopping or (interval and (step + 1) % interval == 0):
+                    with logger.paused():
+                        _save(saver, step + 1, parallel, optimizer, dims, config, world, batches, logger, say)
+            if stopping:
+                say(f"stop  | a stop was asked for: ended after step {step} "
+                    + ("with a checkpoint" if saver is not None else "(no train.out_dir: no checkpoint)"))
+                break
+        if saver is not None:
+            saver.finish()
+    except BaseException:
+        logger.close()
+        raise
+    finally:
+        stop.restore()
+    return _summary(logger, train, step, start_step, tokens_per_step, val_loss, num_parameters, flops_per_token,
+                    device, say)
+
+
+def _validation_steps(dataset, config: Config) -> List[list]:
+    """train.eval_batches validation steps of rows (fixed: the same every evaluation)."""
+    train = config.train
+    if len(dataset.val) == 0:
+        return []
+    rows = TokenBatches.from_config(config.data, train.seq_len, train.microbatch_rows, split="val",
+                                    dataset=dataset, epochs=1, drop_last=False)
+    micro = list(itertools.islice(rows, train.eval_batches * train.microbatches))
+    return [micro[i:i + train.microbatches] for i in range(0, len(micro), train.microbatches)]
+
+
+def _skip(logger, say, step, loss, grad_norm, in_row: int, limit: int) -> None:
+    reason = f"loss {float(loss):.4g}, grad_norm {float(grad_norm):.4g}"
+    say(f"skip  | step {step}: non-finite ({reason}); nothing applied ({in_row} in a row, limit {limit})")
+    logger.record({"step": step, "skipped_step": True, "reason": reason})
+    if in_row >= limit:
+        raise FloatingPointError(
+            f"{in_row} steps in a row had a non-finite loss or gradient (last: step {step}, {reason}); stopping. "
+            f"Lower train.lr or raise train.warmup_steps, check train.dtype, or resume from the last checkpoint "
+            f"with --resume auto")
+
+
+def _layout(config: Config, world: int) -> dict:
+    pc = config.parallel
+    return {"world_size": world, "tp": pc.tp, "pp": pc.pp, "cp": pc.cp, "dp": pc.dp,
+            "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
+
+
+def _save(saver, completed: int, parallel, optimizer, dims, config: Config, world: int, batches, logger,
+          say) -> None:
+    # The stream's position is the same on every rank: the global token count consumed.
+    trainer_state = {"config": config.to_dict(), "layout": _layout(config, world),
+                     "data": {"stream": batches.state_dict()}}
+    saver.save(completed, parallel.named_parameters(), optimizer, dims, trainer_state)
+    where = f"{config.train.out_dir}/checkpoints/step_{completed}"
+    say(f"save  | {where}" + (" (writing in the background)" if config.checkpoint.async_save else ""))
+    logger.record({"step": completed - 1, "checkpoint": where})
+
+
+def _cluster_peak(train, device, world_size: int):
+    peak = peak_flops_per_s(train, device)
+    return None if peak is None else peak * world_size
+
+
+def _summary(logger, train, last_step: int, start_step: int, tokens_per_step: int, val_loss, num_parameters,
+             flops_per_token, device, say) -> dict:
+    records = logger.records
+    steps_run = last_step - start_step + 1
+    first_interval = records[0]["interval_s"] if records else 0.0
+    later_time = logger.train_time_s - first_interval
+    later_steps = steps_run - (records[0]["interval_steps"] if records else 0)
+    tokens_per_s = (later_steps * tokens_per_step / later_time if later_steps > 0 and later_time > 0
+                    else tokens_per_step / max(first_interval, 1e-9))
+    losses = list(logger.losses)
+    summary = {
+        "first_loss": losses[0] if losses else None,
+        "final_loss": records[-1]["loss"] if records else None,
+        "val_loss": val_loss,
+        "steps": last_step + 1,
+        "start_step": start_step,
+        "tokens_per_s": tokens_per_s,
+        "tokens": steps_run * tokens_per_step,
+        "train_time_s": logger.train_time_s,
+        "num_parameters": num_parameters,
+        "flops_per_token": flops_per_token,
+        "device": str(device),
+        "losses": losses,
+    }
+    first = "n/a" if summary["first_loss"] is None else f"{summary['first_loss']:.4f}"
+    final = "n/a" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
+    say(f"done  | {steps_run} steps in {format_duration(logger.train_time_s)} | loss {first} -> {final} | "
+        f"val_loss " + ("n/a" if val_loss is None else f"{val_loss:.4f}") + f" | tok/s {tokens_per_s:,.0f}")
+    logger.close({k: v for k, v in summary.items() if k != "losses"})
+    return summary

@@ -1,0 +1,152 @@
+"""Checkpoints and resume (CPU, fp32): a resumed run is the uninterrupted run, bit for bit under the same
+layout and to 1e-6 under another (DCP reshards on load); an interrupted save is never picked; SIGTERM
+saves and ends the run cleanly."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdn_parallel.checkpoint import latest_checkpoint, resolve_resume
+from gdn_parallel.checkpoint.files import COMPLETE, TRAINER_STATE
+from gdn_parallel.config import ConfigError
+from gdn_parallel.train.__main__ import run
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "train.batch_size=2",
+        "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=1"]
+
+
+def losses_by_step(out_dir: Path) -> dict:
+    """step -> training loss from metrics.jsonl; a resumed process's records replace the earlier ones."""
+    by_step = {}
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record and "step" in record:
+            by_step[record["step"]] = record["loss"]
+    return by_step
+
+
+def checkpoint_tensors(path: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    target = tmp_path / f"{path.parent.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    return torch.load(target, weights_only=False)
+
+
+def train(out_dir: Path, steps: int, *extra: str, resume: str = None) -> dict:
+    argv = ["--steps", str(steps), *BASE, "--set", f"train.out_dir={out_dir}", *extra]
+    return run(argv + (["--resume", resume] if resume else []))
+
+
+def torchrun(nproc: int, out_dir: Path, steps: int, *extra: str, resume: str = None) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    argv = ["--steps", str(steps), *BASE, "--set", f"train.out_dir={out_dir}", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           "-m", "gdn_parallel.train", *argv, *(["--resume", resume] if resume else [])]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_resume_is_bit_exact_under_the_same_layout(tmp_path):
+    """6 steps straight, against 3 steps + resume from the step-3 checkpoint + 3 more: the same losses
+    and the same final parameters and optimizer state, bit for bit."""
+    straight = tmp_path / "straight"
+    train(straight, 6, "--set", "checkpoint.interval=3")
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    with open(resumed / "metrics.jsonl", "w") as fh:  # what the interrupted run had logged
+        for line in (straight / "metrics.jsonl").read_text().splitlines():
+            if json.loads(line).get("step", 99) < 3 and "summary" not in json.loads(line):
+                fh.write(line + "\n")
+    summary = train(resumed, 6, "--set", "checkpoint.interval=3", resume="auto")
+    assert summary["start_step"] == 3
+    assert losses_by_step(resumed) == losses_by_step(straight)          # exact floats, every step 0..5
+    final_straight = checkpoint_tensors(straight / "checkpoints" / "step_6", tmp_path)
+    final_resumed = checkpoint_tensors(resumed / "checkpoints" / "step_6", tmp_path)
+    assert final_straight.keys() == final_resumed.keys()
+    for name, value in final_straight.items():
+        assert torch.equal(value, final_resumed[name]), name
+
+
+@pytest.mark.parametrize("save_layout, resume_layout", [
+    (["parallel.cp=2"], []),                              # context parallel -> one process
+    ([], ["parallel.tp=2"]),                              # one process -> tensor parallel
+    (["parallel.pp=2", "train.microbatch_size=1"], []),   # pipeline -> one process
+    # data parallel -> one process: the same global batch (train.batch_size is per replica), and the
+    # data stream continues at the first token no replica has seen
+    (["parallel.dp=2", "train.batch_size=1"], []),
+], ids=["cp2-to-cp1", "tp1-to-tp2", "pp2-to-pp1", "dp2-to-dp1"])
+def test_resume_under_another_layout_continues_the_run(tmp_path, save_layout, resume_layout):
+    """Saved after 2 of 4 steps under one layout, resumed under another: the losses of steps 2 and 3
+    are those of the uninterrupted single-process run to 1e-6 (the losses of the saved run's own steps
+    are logged by its layout and left as they are)."""
+    reference = tmp_path / "reference"
+    train(reference, 4)
+    run_dir = tmp_path / "run"
+    for layout, steps_run, resume in ((save_layout, 2, None), (resume_layout, 4, "auto")):  # 4 steps each
+        overrides = [x for o in [*layout, "checkpoint.interval=2"] for x in ("--set", o)]
+        nproc = 2 if layout else 1
+        if nproc > 1:
+            torchrun(nproc, run_dir, 4, *overrides, resume=resume)
+        else:
+            train(run_dir, 4, *overrides, resume=resume)
+        if steps_run == 2:  # as if interrupted after the step-2 checkpoint: keep it and what was logged before
+            shutil.rmtree(run_dir / "checkpoints" / "step_4")
+            records = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                       if json.loads(line).get("step", 99) < 2 and "summary" not in json.loads(line)]
+            (run_dir / "metrics.jsonl").write_text("".join(r + "\n" for r in records))
+    expected, got = losses_by_step(reference), losses_by_step(run_dir)
+    assert sorted(got) == [0, 1, 2, 3]
+    for step in (2, 3):
+        assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), (step, got[step], expected[step])
+
+
+def test_an_interrupted_save_is_never_picked(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, complete in (("step_2", True), ("step_4", False), ("step_6.partial", False)):
+        (root / name).mkdir(parents=True)
+        (root / name / TRAINER_STATE).write_text("{}")
+        if complete:
+            (root / name / COMPLETE).write_text("")
+    assert latest_checkpoint(str(tmp_path)) == root / "step_2"
+    assert resolve_resume("auto", str(tmp_path)) == root / "step_2"
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        resolve_resume(str(root / "step_4"), str(tmp_path))
+    assert resolve_resume("auto", str(tmp_path / "elsewhere")) is None  # a first run: nothing yet
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tmp_path, capsys):
+    train(tmp_path, 2)
+    with pytest.raises(SystemExit) as info:
+        train(tmp_path, 4, "--set", "model.hidden_size=64", resume="auto")
+    assert info.value.code == 2
+    assert "model.hidden_size: checkpoint 128, config 64" in capsys.readouterr().err
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "gdn_parallel.train", "--steps", "400", *BASE, "--set", f"train.out_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.time() + 240
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 2/"):
+            proc.send_signal(signal.SIGTERM)
+        if time.time() > deadline:
+            proc.kill()
+            break
+    assert proc.wait(timeout=60) == 0, "".join(lines[-30:])
+    output = "".join(lines)
+    assert "stop  |" in output and "save  |" in output, output[-2000:]
+    saved = latest_checkpoint(str(tmp_path))
+    step = int(saved.name.split("_")[1])
+    assert 3 <= step < 400
+    assert json.loads((saved / TRAINER_STATE).read_text())["step"] == step

@@ -1,0 +1,203 @@
+"""tools/prepare_data.py: round trips (bytes, a tokenizers tokenizer, JSON lines, Parquet), worker
+count independence, resuming an interrupted run, refusing to overwrite, bad inputs."""
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from gdn_parallel.config import DataConfig
+from gdn_parallel.data import load_corpus, load_dataset
+from gdn_parallel.data.prepared import METADATA_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKENS_FILE
+import tools.prepare_data as tool
+from tests.data.test_sources import write_tree
+
+TEXTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(30)]
+
+
+def run(inputs, out, *extra):
+    return tool.main([*map(str, inputs), "--out", str(out), "--progress", "off", *extra])
+
+
+def documents_of(out):
+    """Every document of a prepared dataset, in file order, as a list of ids."""
+    tokens = np.fromfile(out / TOKENS_FILE, dtype=json.loads((out / METADATA_FILE).read_text())["dtype"])
+    offsets = np.load(out / OFFSETS_FILE)
+    return [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def jsonl(texts, key="text"):
+    return "".join(json.dumps({key: t, "id": i}) + "\n" for i, t in enumerate(texts))
+
+
+def test_bytes_round_trip_text_and_jsonl(tmp_path):
+    write_tree(tmp_path / "in", {"a.txt": "héllo wörld", "b/c.md": "# notes\n", "d.jsonl": jsonl(TEXTS) + "\n",
+                                 "skip.txt": b"\x00binary", "e.csv": "left,out"})
+    out = tmp_path / "out"
+    assert run([tmp_path / "in"], out) == 0
+    metadata = json.loads((out / METADATA_FILE).read_text())
+    expected = [list("héllo wörld".encode()), list(b"# notes\n")] + [list(t.encode()) for t in TEXTS]
+    assert documents_of(out) == expected
+    assert metadata["dtype"] == "uint16" and metadata["vocab_size"] == 256
+    assert metadata["tokenizer"] == {"kind": "bytes", "vocab_size": 256}
+    assert metadata["num_documents"] == 32 and metadata["num_tokens"] == sum(map(len, expected))
+    assert metadata["max_token_id"] == max(max(d) for d in expected)
+    assert metadata["skipped"] == {"binary_files": 1, "empty_documents": 0}
+    assert [s["path"].rsplit("/", 1)[-1] for s in metadata["sources"]] == ["a.txt", "c.md", "d.jsonl", "skip.txt"]
+    assert not (out / PARTIAL_DIR).exists()
+    # the same ids data.source reads from the text files directly
+    direct = load_corpus(DataConfig(source=str(tmp_path / "in" / "b"), val_fraction=0.0))
+    prepared = load_dataset(DataConfig(source=str(out), val_fraction=0.0))
+    assert direct.train[0].tolist() in [prepared.train.document(i).tolist() for i in range(len(prepared.train))]
+
+
+def test_workers_and_shard_sizes_do_not_change_the_output(tmp_path):
+    write_tree(tmp_path / "in", {"big.jsonl": jsonl(TEXTS * 3), **{f"t{i}.txt": TEXTS[i] for i in range(7)}})
+    outputs = []
+    for index, extra in enumerate((["--workers", "1"], ["--workers", "2", "--shard-mb", "0.001"])):
+        out = tmp_path / f"out{index}"
+        assert run([tmp_path / "in"], out, *extra) == 0
+        outputs.append(out)
+    for name in (TOKENS_FILE, OFFSETS_FILE):
+        assert (outputs[0] / name).read_bytes() == (outputs[1] / name).read_bytes()
+
+
+class Killed(BaseException):
+    """Stands for the process being killed mid-run (caught by nothing in the tool)."""
+
+
+def test_an_interrupted_run_resumes_after_its_last_complete_shard(tmp_path, monkeypatch, capsys):
+    write_tree(tmp_path / "in", {"part.jsonl": jsonl(TEXTS * 4), **{f"t{i}.txt": TEXTS[i] for i in range(5)}})
+    args = ["--shard-mb", "0.002"]
+    assert run([tmp_path / "in"], tmp_path / "whole", *args) == 0
+    calls, kill_at_call = [], [3]
+    real = tool.prepare_shard
+
+    def interrupted(task):
+        calls.append(task[0])
+        if len(calls) == kill_at_call[0]:
+            raise Killed
+        return real(task)
+
+    monkeypatch.setattr(tool, "prepare_shard", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(Killed):
+        run([tmp_path / "in"], out, *args)
+    shards = len(json.loads((out / PARTIAL_DIR / "plan.json").read_text())["shards"])
+    assert shards > 4 and not (out / METADATA_FILE).exists()
+    with pytest.raises(ValueError, match="unfinished preparation"):
+        load_dataset(DataConfig(source=str(out)))
+    # other arguments do not mix with the unfinished run
+    assert run([tmp_path / "in"], out, "--shard-mb", "0.003") == 2
+    assert "--force" in capsys.readouterr().err
+    calls.clear()
+    kill_at_call[0] = None
+    assert run([tmp_path / "in"], out, *args, "--progress", "lines") == 0
+    assert sorted(calls) == list(range(2, shards))           # shards 0 and 1 were kept
+    assert "resuming: 2/" in capsys.readouterr().err
+    for name in (TOKENS_FILE, OFFSETS_FILE):
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
+def test_a_finished_dataset_is_overwritten_only_with_force(tmp_path, capsys):
+    write_tree(tmp_path / "in", {"a.txt": "first version"})
+    out = tmp_path / "out"
+    assert run([tmp_path / "in"], out) == 0
+    (tmp_path / "in" / "a.txt").write_text("second")
+    assert run([tmp_path / "in"], out) == 2
+    assert "already holds a finished dataset; pass --force" in capsys.readouterr().err
+    assert documents_of(out) == [list(b"first version")]
+    assert run([tmp_path / "in"], out, "--force") == 0
+    assert documents_of(out) == [list(b"second")]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.me").write_text("not ours")
+    assert run([tmp_path / "in"], tmp_path / "other", "--force") == 2
+    assert "holds other files (keep.me)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("files,extra,message", [
+    ({"a.jsonl": jsonl(["x"], key="content")}, [], r"no key 'text' .*--text-key"),
+    ({"a.jsonl": '{"text": 3}\n'}, [], "holds a int, not text"),
+    ({"a.jsonl": "not json\n"}, [], "not a JSON line"),
+    ({"a.txt": "x"}, ["--tokenizer", "missing.json"], "no such file"),
+    ({"a.txt": "x"}, ["--suffixes", "txt"], "--suffixes"),
+    ({"a.txt": "x"}, ["--workers", "0"], "--workers"),
+    ({"a.csv": "x"}, [], r"no file with a suffix"),
+    ({"a.txt": b"\x00"}, [], r"no documents \(1 binary"),
+])
+def test_bad_inputs_fail_with_a_message(tmp_path, capsys, files, extra, message):
+    write_tree(tmp_path / "in", files)
+    assert run([tmp_path / "in"], tmp_path / "out", *extra) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert run([tmp_path / "nothing-here"], tmp_path / "out2") == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_optional_libraries_missing_say_what_to_install(tmp_path, monkeypatch, capsys):
+    write_tree(tmp_path / "in", {"a.parquet": b"PAR1", "t.txt": "x"})
+    (tmp_path / "tok.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert run([tmp_path / "in" / "t.txt"], tmp_path / "o1", "--tokenizer", str(tmp_path / "tok.json")) == 2
+    assert "pip install tokenizers" in capsys.readouterr().err
+    assert run([tmp_path / "in" / "a.parquet"], tmp_path / "o2") == 2
+    assert "pip install pyarrow" in capsys.readouterr().err
+
+
+def small_tokenizer(path, texts, vocab_size=120):
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(vocab_size=vocab_size,
+                                                                          special_tokens=["[UNK]"]))
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def test_tokenizers_round_trip_and_vocabulary_check(tmp_path):
+    tokenizer = small_tokenizer(tmp_path / "tok.json", TEXTS)
+    write_tree(tmp_path / "in", {"a.jsonl": jsonl(TEXTS)})
+    out = tmp_path / "out"
+    assert run([tmp_path / "in"], out, "--tokenizer", str(tmp_path / "tok.json"), "--workers", "2",
+               "--shard-mb", "0.001") == 0
+    assert documents_of(out) == [tokenizer.encode(t).ids for t in TEXTS]
+    metadata = json.loads((out / METADATA_FILE).read_text())
+    assert metadata["tokenizer"]["kind"] == "tokenizers" and len(metadata["tokenizer"]["sha256"]) == 64
+    assert metadata["vocab_size"] == tokenizer.get_vocab_size() and metadata["dtype"] == "uint16"
+    from gdn_parallel.config import ConfigError
+    from gdn_parallel.data import check_vocabulary
+    config = DataConfig(source=str(out))
+    check_vocabulary(config, metadata["max_token_id"] + 1)
+    with pytest.raises(ConfigError, match=r"model\.vocab_size"):
+        check_vocabulary(config, metadata["max_token_id"])
+
+
+def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(70_000)}
+    vocab["[UNK]"] = len(vocab)
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    write_tree(tmp_path / "in", {"a.jsonl": jsonl(["w1 w69999 w65536", "w2 unknown"])})
+    out = tmp_path / "out"
+    assert run([tmp_path / "in"], out, "--tokenizer", str(tmp_path / "tok.json")) == 0
+    metadata = json.loads((out / METADATA_FILE).read_text())
+    assert metadata["dtype"] == "uint32" and metadata["max_token_id"] == 70_000
+    assert documents_of(out) == [[1, 69999, 65536], [2, 70_000]]
+    dataset = load_dataset(DataConfig(source=str(out), val_fraction=0.0))
+    assert sorted(dataset.train.document(i).tolist() for i in range(2)) == [[1, 69999, 65536], [2, 70_000]]
+
+
+def test_parquet_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    (tmp_path / "in").mkdir()
+    table = pa.table({"body": TEXTS[:12] + [None, ""], "n": list(range(14))})
+    pq.write_table(table, tmp_path / "in" / "rows.parquet", row_group_size=4)
+    out = tmp_path / "out"
+    assert run([tmp_path / "in"], out, "--text-key", "body", "--shard-mb", "0.0001") == 0
+    assert documents_of(out) == [list(t.encode()) for t in TEXTS[:12]]
+    assert json.loads((out / METADATA_FILE).read_text())["skipped"]["empty_documents"] == 2
