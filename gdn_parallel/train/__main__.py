@@ -86,7 +86,7 @@ def load_config(args) -> Config:
 
 def run(argv: Optional[List[str]] = None) -> dict:
     """Parse the command line, train (one process or any launcher), and return run_training's summary."""
-    from .launch_env import strip_launcher_args
+    from ..runtime.launch_env import strip_launcher_args
     parser = build_parser()
     # DeepSpeed's launcher adds --local_rank=N (its environment carries the same): not ours to parse.
     args = parser.parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
@@ -94,7 +94,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
         config = load_config(args)
     except ConfigError as err:
         parser.error(str(err))
-    from .session import is_launched
+    from ..runtime.session import is_launched
     from .trainer import run_training
     try:
         if not is_launched() and config.parallel.world_size > 1:

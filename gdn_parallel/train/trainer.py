@@ -38,7 +38,7 @@ from .evaluation import evaluate
 from .optim import autocast_dtype, build_optimizer
 from .progress import ProgressLogger, format_duration, peak_flops_per_s
 from .schedule import schedule_from_config
-from .session import process_group
+from ..runtime.session import process_group
 
 
 class StopRequest:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from gdn_parallel.config import ConfigError
-from gdn_parallel.train import launch_env
-from gdn_parallel.train.launch_env import (LaunchEnv, LaunchEnvError, detect_launch_env, expand_hostlist,
+from gdn_parallel.runtime import launch_env
+from gdn_parallel.runtime.launch_env import (LaunchEnv, LaunchEnvError, detect_launch_env, expand_hostlist,
                                            export_launch_env, init_distributed, parse_tasks_per_node,
                                            strip_launcher_args)
 

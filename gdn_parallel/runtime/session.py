@@ -1,4 +1,4 @@
-"""The process group a run trains in, for every world size, and the device it trains on.
+"""The process group a job runs in, for every world size, and the device it uses.
 
 Under a launcher (torchrun, DeepSpeed, Slurm, mpirun) the group spans the launched processes; a
 plain `python -m gdn_parallel.train` gets a group of one (an in-memory store, no port), so that one

@@ -147,7 +147,7 @@ def test_launchers_train_alike(deepspeed_losses, mpirun_losses):
 PROBE = '''
 import os, socket, sys
 import torch, torch.distributed as dist
-from gdn_parallel.train.launch_env import (TORCH_VARIABLES, detect_launch_env, init_distributed,
+from gdn_parallel.runtime.launch_env import (TORCH_VARIABLES, detect_launch_env, init_distributed,
                                            strip_launcher_args)
 
 env = detect_launch_env()
