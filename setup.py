@@ -42,6 +42,7 @@ setup(
     entry_points={
         "console_scripts": [
             "gdn-train=gdn_parallel.train.__main__:main",
+            "gdn-verify=gdn_parallel.verify.__main__:main",
         ]
     },
 )

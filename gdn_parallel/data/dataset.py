@@ -33,7 +33,8 @@ class Dataset:
 
     def describe(self) -> str:
         note = f", {self.note}" if self.note else ""
-        return (f"{self.source} ({self.kind}, {self.tokenizer}): {len(self.train):,} train docs "
+        made_by = self.kind if self.tokenizer == self.kind else f"{self.kind}, {self.tokenizer}"
+        return (f"{self.source} ({made_by}): {len(self.train):,} train docs "
                 f"({self.train.num_tokens:,} tokens), {len(self.val):,} val docs "
                 f"({self.val.num_tokens:,} tokens){note}")
 

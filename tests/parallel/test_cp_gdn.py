@@ -8,7 +8,7 @@ from gdn_parallel.comm import CPContext
 from tests.compare import assert_close_set
 from tests.ops.gdn_inputs import gdn_inputs
 from tests.parallel.launcher import run_workers
-from tests.seeds import generator
+from tests.seeds import generator, seed_torch
 
 # 96 tokens; documents crossing 0..3 rank boundaries at CP=4 (shards of 24; at CP=2 shards of 48).
 CASES = {
@@ -129,3 +129,29 @@ def check_gate_activation_case(rank, world, cu, algorithm):
 @pytest.mark.parametrize("algorithm", ["relay", "allgather"])
 def test_cp_triton_matches_single_process(world, algorithm):
     assert all(run_workers(triton_cases, world, algorithm))
+
+
+def autocast_allgather_case(rank, world):
+    """A model step under bf16 autocast with the allgather algorithm: the summaries are composed in
+    fp32 on every rank. Ranks whose last document starts on them run one product more than a rank
+    lying inside a document, so under autocast their summaries came out in another dtype and the
+    all-gather aborted (gloo: 12288 vs 6144 bytes)."""
+    from gdn_parallel.model import HybridLM
+    from gdn_parallel.parallel.batch import cp_loss, shard_batch
+    from tests.parallel.batches import make_batch
+    from tests.parallel.test_layouts import model_config
+
+    seed_torch(0)
+    model = HybridLM(model_config())
+    for cu in ([0, 5, 48], [0, 20, 30, 48], [0, 48]):
+        shard = shard_batch(make_batch(cu, seed=1), rank, world, dist.group.WORLD, "allgather")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = cp_loss(model, shard)
+        loss.backward()
+        shard.context.finish()
+        assert torch.isfinite(loss), cu
+    return True
+
+
+def test_allgather_under_autocast_keeps_one_summary_dtype():
+    assert all(run_workers(autocast_allgather_case, 2))

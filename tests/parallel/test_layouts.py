@@ -15,7 +15,7 @@ from tests.compare import assert_close_set, rel_err
 from tests.parallel.launcher import run_workers
 from tests.parallel.batches import make_batch
 from tests.seeds import seed_torch, seeded
-from tools.verify_layouts import LAYOUTS
+from tests.verify.helpers import LAYOUTS
 
 ROW_LAYOUTS = [[0, 48], [0, 5, 19, 20, 40, 48], [0, 1, 30, 31, 48], [0, 24, 25, 48]]
 MICROBATCHES = 2
@@ -103,7 +103,7 @@ def test_eight_process_layout_matches_single_process(name):
 def check_fsdp_bf16_autocast(rank, world):
     """bf16 autocast over several microbatches under FSDP2 equals one device under the same
     autocast up to bf16 rounding (a cached weight cast once lost most of the gradient: error 0.76)."""
-    from tools.verify_layouts import _single_device_loss, norm_err, packed_row
+    from tests.verify.helpers import norm_err, packed_row, single_device_loss as _single_device_loss
 
     config = ParallelConfig(dp=2)
     dims = build_mesh(config, "cpu")

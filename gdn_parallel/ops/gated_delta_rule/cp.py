@@ -82,7 +82,14 @@ def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_
 
 
 def _allgather_incoming_state(factors, layout, cp: CPContext, starting):
-    """Fold every earlier rank's summary of its last piece into this rank's incoming state."""
+    """Fold every earlier rank's summary of its last piece into this rank's incoming state. The
+    summaries are composed in the state's dtype, autocast or not (docs/design.md §2): the all-gather
+    also needs one dtype on every rank, and only some ranks run the product below."""
+    with torch.autocast(starting.device.type, enabled=False):
+        return _allgather_incoming_state_fp32(factors, layout, cp, starting)
+
+
+def _allgather_incoming_state_fp32(factors, layout, cp: CPContext, starting):
     last = layout.num_docs - 1
     first_chunk, n_chunks = layout.doc_first_chunk[last], layout.doc_num_chunks[last]
     m, s = factors.transition(slice(first_chunk, first_chunk + n_chunks))
@@ -91,7 +98,7 @@ def _allgather_incoming_state(factors, layout, cp: CPContext, starting):
     m_last, s_last = fold_chunk_transitions(m, s, piece_layout)
     if not (cp.continues_from_prev and cp.num_local_docs == 1):
         # The last piece starts on this rank: its outgoing state does not depend on earlier ranks.
-        s_last = m_last @ starting[-1:] + s_last
+        s_last = m_last @ starting[-1:].to(m_last.dtype) + s_last
         m_last = torch.zeros_like(m_last)
     return _gather_and_fold(m_last, s_last, cp)
 

@@ -1,0 +1,164 @@
+"""Command line: `gdn-verify` (also `python -m gdn_parallel.verify`), under any launcher.
+
+    torchrun --standalone --nproc-per-node 4 -m gdn_parallel.verify --config configs/tiny-cpu.yaml
+    gdn-verify [--config PATH] [--set section.field=value ...] [--layouts tp2,cp2 [pp=2,dp=2,ddp ...]]
+               [--steps 1] [--dtype fp32|bf16] [--seq-len N] [--rows 2] [--tolerance X] [--json PATH] [--list]
+
+Every layout of the job's N processes (gdn_parallel/verify/layouts.py: the default set, or
+`--layouts`) trains `--steps` AdamW steps on a fixed batch (verify/batches.py: N micro-batches of
+rows x seq-len tokens whose documents cross the CP shard and row boundaries) from the weights of one
+seed, and is compared with the single-device reference every rank computes itself: the loss, the
+gradient norm, every gradient gathered to full shape, and the parameters after each step
+(criteria: verify/compare.py). Rank 0 prints a table and writes the JSON (`--json`, default
+runs/verify.json or $OUT/verify.json). Exit status: 0 every layout passed, 1 a layout failed, 2 the
+command or config is wrong (the message says what to change).
+
+`--inject-fault LAYOUT[:grads|:params]` (hidden, repeatable) is for the tests only: in that layout
+it multiplies one gradient of the last rank by 1.5 after the backward (grads, the default), or one
+of its parameters after the optimizer step (params), to show that a wrong layout fails the run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from ..config import Config, ConfigError
+from ..ops.triton_dispatch import check_kernel_config
+from ..runtime import detect_launch_env, process_group, strip_launcher_args
+from .batches import MIN_ROW_TOKENS, verification_batch
+from .layout_run import FAULT_KINDS
+from .layouts import LayoutError, layouts_to_run, parse_layout
+from .reference import OptimizerSettings
+from .report import table, to_json, write_json
+from .runner import verify
+
+DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gdn-verify", description="Check every parallel layout of this job's processes against one device.")
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
+                        help=f"YAML config whose model is checked (default {DEFAULT_CONFIG}; relative to the "
+                             "current directory, else the repository, else the configs installed with the package)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
+    parser.add_argument("--layouts", nargs="+", action="extend", metavar="LAYOUT",
+                        help="layouts to check instead of the default set, each like tp2,cp2 or pp=2,dp=2,ddp "
+                             "(options: sp, allgather, ddp, interleaved, vs=N, ac=full|selective)")
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps compared (default 1)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(PRECISIONS),
+                        help="fp32 (default): every error within 1e-5 (CPU) / 1e-4 (CUDA); bf16: autocast against "
+                             "the fp32 reference, no worse than 1.5x bf16 on one device, loss within 1e-2")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per row (default: the config's train.seq_len)")
+    parser.add_argument("--rows", type=int, default=2, help="rows per micro-batch (default 2)")
+    parser.add_argument("--seed", type=int, default=None, help="weights and data seed (default: train.seed)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="replace the bound (fp32) or its floor (bf16)")
+    parser.add_argument("--json", default=None,
+                        help="results file (default $OUT/verify.json when $OUT is set, else runs/verify.json)")
+    parser.add_argument("--list", action="store_true", help="print the layouts that would run, and exit")
+    parser.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests only (docstring)
+    return parser
+
+
+def resolve_config_path(path: str) -> Path:
+    """As given, else relative to the repository, else `configs/NAME` among the installed configs
+    (the trainer's rule: gdn_parallel/train/__main__.py)."""
+    candidate = Path(path).expanduser()
+    if candidate.is_file() or candidate.is_absolute():
+        return candidate
+    if (REPO_ROOT / candidate).is_file():
+        return REPO_ROOT / candidate
+    if candidate.parent == Path("configs"):
+        packaged = resources.files("gdn_parallel") / "configs" / candidate.name
+        if packaged.is_file():
+            return Path(str(packaged))
+    return candidate
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
+    launch = detect_launch_env()
+    is_main = launch is None or launch.rank == 0
+    say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
+    world = launch.world_size if launch is not None else 1
+    try:
+        config = Config.from_yaml(resolve_config_path(args.config), args.overrides)
+        seq_len = args.seq_len or config.train.seq_len
+        if args.steps < 1 or args.rows < 1 or args.rows * seq_len < MIN_ROW_TOKENS:
+            raise ConfigError(f"--steps {args.steps} must be positive and --rows {args.rows} x --seq-len {seq_len} "
+                              f"at least {MIN_ROW_TOKENS} tokens")
+        layouts = layouts_to_run(args.layouts, world, config.model, args.rows * seq_len)
+        faults = _faults(args.inject_fault, [l.name for l, reason in layouts if reason is None])
+    except (ConfigError, LayoutError) as err:
+        if is_main:
+            print(f"gdn-verify: {err}", file=sys.stderr)
+        return 2
+    if args.list:
+        for layout, reason in layouts:
+            say(layout.name + (f"  (skipped: {reason})" if reason else ""))
+        return 0
+    precision = PRECISIONS[args.dtype]
+    if torch.cuda.is_available():
+        # the reference is fp32 (and so is an fp32 layout): no TF32 in cuBLAS, cuDNN or the Triton kernels' dots
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    with process_group(config.train) as (device, _launched):
+        try:
+            check_kernel_config(config.model, device.type == "cuda", "bfloat16" if precision == "bf16" else "float32")
+        except ConfigError as err:
+            if is_main:
+                print(f"gdn-verify: {err}", file=sys.stderr)
+            return 2
+        seed = config.train.seed if args.seed is None else args.seed
+        steps = [verification_batch(step, world, args.rows, seq_len, config.model.vocab_size, device)
+                 for step in range(args.steps)]
+        say(f"gdn-verify | {world} {device.type} process(es) | {args.config} | {precision} | {args.steps} step(s) "
+            f"x {world} micro-batches of {args.rows} x {seq_len} tokens | {len(layouts)} layouts")
+        result = verify(config.model, seed, steps, layouts, device, OptimizerSettings.from_train_config(config.train),
+                        seq_len, precision, args.tolerance, faults, progress=say)
+        if is_main:
+            say(f"criteria | {result.criteria.describe()}")
+            say("columns  | relative errors, worst over the steps: loss, gradient norm, gradients (worst tensor, "
+                "all as one vector), parameters after the step vs AdamW on one device with the layout's gradients")
+            for line in table(result):
+                say(line)
+            header = {"world": world, "device": _device_name(device), "config": str(args.config),
+                      "overrides": args.overrides, "steps": args.steps, "micro_batches": world, "rows": args.rows,
+                      "seq_len": seq_len, "seed": seed}
+            say(f"json | {write_json(to_json(result, header), args.json)}")
+    return 0 if result.passed else 1
+
+
+def _faults(specs: List[str], names: List[str]) -> Dict[str, str]:
+    """--inject-fault LAYOUT[:KIND] ... -> {layout name: kind}, checked against the layouts that run."""
+    faults = {}
+    for spec in specs:
+        name, _, kind = spec.partition(":")
+        kind = kind or "grads"
+        if kind not in FAULT_KINDS:
+            raise LayoutError(f"--inject-fault {spec}: the kind after ':' is one of {', '.join(FAULT_KINDS)}")
+        layout = parse_layout(name).name
+        if layout not in names:
+            raise LayoutError(f"--inject-fault {spec}: {layout} is not a layout this run checks ({', '.join(names)})")
+        faults[layout] = kind
+    return faults
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""gdn-verify end to end: under torchrun with 4 gloo processes every default layout of the tiny
+config matches one device; a layout spoiled on purpose (the hidden, test-only --inject-fault) fails
+the run and is named; bad arguments exit with status 2 and say what to write."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+from gdn_parallel.verify.__main__ import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_4 = ["tp4", "pp4", "dp4", "cp4", "pp2,tp2", "dp2,tp2", "cp2,tp2", "pp2,dp2", "pp2,cp2", "dp2,cp2",
+          "pp2,cp2,allgather", "pp2,dp2,ddp", "pp2,cp2,interleaved", "cp2,tp2,sp", "pp2,cp2,ac=full"]
+
+
+def torchrun_verify(args, nproc=4, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("OUT", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "gdn_parallel.verify", "--config", "configs/tiny-cpu.yaml", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(stdout):
+    """{layout: its table row} from the printed table."""
+    rows = {}
+    for line in stdout.splitlines():
+        name = line.split(" ", 1)[0]
+        if name in TINY_4 and re.search(r"(pass|FAIL|skipped:)", line) and not line.startswith(("run", "pass", "fail")):
+            rows[name] = line
+    return rows
+
+
+def test_every_layout_of_four_processes_matches_one_device(tmp_path):
+    out = torchrun_verify(["--json", str(tmp_path / "verify.json")])
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    rows = table_rows(out.stdout)
+    assert list(rows) == TINY_4, out.stdout
+    assert "skipped: model.gdn_num_heads=2 is not divisible by parallel.tp=4" in rows["tp4"]
+    assert all(rows[name].endswith("pass") for name in TINY_4[1:]), out.stdout
+    assert "15 layouts: 14 passed, 0 failed, 1 skipped" in out.stdout
+    results = json.loads((tmp_path / "verify.json").read_text())
+    assert results["passed"] and results["world"] == 4 and results["micro_batches"] == 4
+    assert results["criteria"]["bounds"]["grads"] == 1e-5
+    for layout in results["layouts"][1:]:
+        assert layout["status"] == "pass" and not layout["missing"], layout
+        assert layout["errors"]["grads"] < 1e-5 and layout["errors"]["params"] < 1e-5
+        assert layout["errors"]["loss"] < 1e-6
+
+
+def test_a_wrong_layout_fails_the_run_and_is_named(tmp_path):
+    """Two steps (the reference follows each layout, over the pipeline too) on rows of 2 x 32 tokens:
+    cp4 shards of 16 tokens, shorter than the 64-token window, so halos take several hops."""
+    out = torchrun_verify(["--layouts", "pp2,cp2", "dp2,tp2", "cp4", "--inject-fault", "dp2,tp2",
+                           "--inject-fault", "cp4:params", "--steps", "2", "--seq-len", "32",
+                           "--json", str(tmp_path / "v.json")])
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
+    rows = table_rows(out.stdout)
+    assert rows["pp2,cp2"].endswith("pass") and rows["dp2,tp2"].endswith("FAIL") and rows["cp4"].endswith("FAIL")
+    assert re.search(r"^FAILED dp2,tp2: .*grads \S+ > 1\.0e-05", out.stdout, re.M), out.stdout
+    assert re.search(r"^FAILED cp4: .*params \S+ > 1\.0e-05", out.stdout, re.M), out.stdout
+    results = json.loads((tmp_path / "v.json").read_text())
+    assert [l["status"] for l in results["layouts"]] == ["pass", "fail", "fail"]
+    assert results["passed"] is False and results["steps"] == 2
+    cp4 = results["layouts"][2]
+    first = cp4["per_step"][0]   # a right first gradient, a wrong update (which then spoils step 2)
+    assert len(cp4["per_step"]) == 2 and first["grads"] < 1e-5 and first["params"] > 0.1
+    assert cp4["worst"]["params"]
+
+
+def test_bad_arguments_exit_2_and_say_what_to_write(capsys):
+    assert main(["--layouts", "tp2"]) == 2
+    assert "uses pp*dp*cp*tp = 2 processes but the job has 1" in capsys.readouterr().err
+    assert main(["--layouts", "pp1,xx"]) == 2
+    assert "cannot read 'xx'" in capsys.readouterr().err
+    assert main(["--config", "configs/none.yaml"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["--seq-len", "4"]) == 2
+    assert "--rows 2 x --seq-len 4 at least 16 tokens" in capsys.readouterr().err
+    assert main(["--inject-fault", "cp2"]) == 2
+    assert "not a layout this run checks" in capsys.readouterr().err
+
+
+def test_list_prints_the_layouts_without_running(capsys):
+    assert main(["--list"]) == 0
+    assert capsys.readouterr().out.split() == ["pp1,dp1,cp1,tp1"]
+
+
+def test_one_process_runs_the_trivial_layout(tmp_path, capsys, monkeypatch):
+    """A plain process (no launcher): the one layout pp1,dp1,cp1,tp1, gradient accumulation only."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert main(["--steps", "2", "--seq-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^pp1,dp1,cp1,tp1 .* pass$", printed, re.M), printed
+    assert json.loads((tmp_path / "verify.json").read_text())["passed"]
