@@ -33,7 +33,10 @@ setup(
         # triton: interpreter tests on CPU; setuptools: tests/test_packaging.py builds the wheel without
         # build isolation (70.1+ builds wheels without the separate `wheel` package)
         # tokenizers: the prepared-data tests with a real tokenizer
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers"],
+        # transformers + flash-linear-attention: tests/convert loads our exports into fla's model (the base
+        # packages need only einops and transformers: no CUDA torch; fla-core's [cuda] extra is not asked for)
+        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers",
+                "transformers>=5.6.2,<6", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
         "gpu": [TRITON],
         "log": ["matplotlib", "tensorboard"],  # loss.png, tools/plot.py; log.tensorboard (wandb: pip install wandb)
         "data": ["tokenizers", "pyarrow"],      # tools/prepare_data.py: --tokenizer FILE, Parquet inputs
@@ -42,6 +45,7 @@ setup(
     entry_points={
         "console_scripts": [
             "gdn-train=gdn_parallel.train.__main__:main",
+            "gdn-convert=gdn_parallel.convert.__main__:main",
             "gdn-verify=gdn_parallel.verify.__main__:main",
         ]
     },

@@ -1,0 +1,173 @@
+"""The conversions between our checkpoints, Hugging Face folders and consolidated torch files.
+
+Each reads and checks everything first (config, names, shapes, what the target format can express),
+then writes under a temporary name renamed at the end. Tensors are copied bit for bit; their dtype
+changes only with `dtype` ('bf16', 'fp16', 'fp32'; 'keep' by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from ..config import Config, ConfigError, ModelConfig
+from ..data import TokenBatches, check_vocabulary, load_dataset
+from ..model import HybridLM
+from .atomic import new_directory, new_file
+from .dcp_io import read_model, write_checkpoint
+from .errors import ConvertError
+from .hf_format import (CONFIG_FILE, from_hf_tensors, hf_config, read_hf_config, source_model_config,
+                        to_hf_tensors)
+from .model_tensors import (EMBEDDINGS, KEEP, cast, check_tensors, drop_tied_head, listed,
+                            require_same_architecture)
+from .safetensors_io import DEFAULT_SHARD_SIZE, is_safetensors, parse_size, read_folder, write_folder
+
+TORCH_KEYS = ("model", "config")   # a consolidated torch file: {"model": state dict, "config": model config}
+
+
+# ---------------------------------------------------------------------------- from our checkpoints
+def _checkpoint_model(path) -> tuple:
+    """(checkpoint, model config, model tensors) of a checkpoint, checked against each other."""
+    checkpoint, tensors, saved = read_model(path)
+    try:
+        model = Config.from_dict({"model": saved["config"]["model"]}).model
+        model.validate()
+    except ConfigError as err:
+        raise ConvertError(f"{checkpoint}: its config.model is not valid here: {err}") from None
+    check_tensors(tensors, model, str(checkpoint))
+    return checkpoint, model, tensors
+
+
+def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHARD_SIZE) -> Path:
+    max_bytes = parse_size(shard_size)
+    source, model, tensors = _checkpoint_model(checkpoint)
+    tensors = cast(tensors, dtype)
+    config = hf_config(model, tensors[EMBEDDINGS].dtype)  # refuses what fla cannot express
+    with new_directory(Path(out_dir)) as folder:
+        write_folder(folder, to_hf_tensors(tensors), max_bytes)
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return source
+
+
+def to_torch(checkpoint, out_file, dtype: str = KEEP) -> Path:
+    source, model, tensors = _checkpoint_model(checkpoint)
+    with new_file(Path(out_file)) as temporary:
+        torch.save({"model": cast(tensors, dtype), "config": dataclasses.asdict(model)}, temporary)
+    return source
+
+
+# ---------------------------------------------------------------------------- into our checkpoints
+def target_config(source_model: Optional[ModelConfig], source_name: str, config_file: Optional[str],
+                  overrides: Sequence[str] = ()) -> Config:
+    """The config the new checkpoint is resumed with: --config FILE (its model must hold the same
+    weights as the source's, when the source has one) or the source's model with the default
+    data/train/parallel sections; --set overrides either."""
+    if config_file:
+        config = Config.from_yaml(config_file, list(overrides), validate=False)
+        target_name = f"--config {config_file}"
+    else:
+        config = Config(model=dataclasses.replace(source_model))
+        config = config.with_overrides(list(overrides)) if overrides else config
+        target_name = "--set" if overrides else "the derived config"
+    config.validate()
+    if source_model is not None:
+        require_same_architecture(source_model, config.model, source_name, target_name,
+                                  fix="give a --config whose model matches the weights")
+    return config
+
+
+def data_stream_start(config: Config) -> dict:
+    """The data stream's state at its first token (the trainer resumes it, and refuses another data
+    source): the data must fit the vocabulary."""
+    check_vocabulary(config.data, config.model.vocab_size)
+    dataset = load_dataset(config.data)
+    stream = TokenBatches.from_config(config.data, config.train.seq_len, config.train.microbatch_rows,
+                                      dataset=dataset)
+    return stream.state_dict()
+
+
+def _write_new_checkpoint(out, tensors: Dict[str, torch.Tensor], source_model: ModelConfig, source_name: str,
+                          config_file, overrides, dtype: str, source: dict) -> Path:
+    check_tensors(tensors, source_model, source_name)
+    config = target_config(source_model, source_name, config_file, overrides)
+    return write_checkpoint(Path(out), cast(tensors, dtype), config, data_stream_start(config), source)
+
+
+def from_hf(hf_dir, out_checkpoint, config_file: Optional[str] = None, overrides: Sequence[str] = (),
+            dtype: str = KEEP) -> Path:
+    folder = Path(hf_dir)
+    hf = read_hf_config(folder)
+    where = str(folder / CONFIG_FILE)
+    model = source_model_config(hf, where)
+    tensors = from_hf_tensors(read_folder(folder), model, str(folder))
+    return _write_new_checkpoint(out_checkpoint, tensors, model, str(folder), config_file, overrides, dtype,
+                                 {"format": "hf", "path": str(folder.resolve())})
+
+
+def model_from_hf(hf_dir, device="cpu") -> HybridLM:
+    """Our single-device model with a Hugging Face folder's weights (from its files alone), in the
+    folder's dtype."""
+    folder = Path(hf_dir)
+    model_config = source_model_config(read_hf_config(folder), str(folder / CONFIG_FILE))
+    tensors = from_hf_tensors(read_folder(folder), model_config, str(folder))
+    check_tensors(tensors, model_config, str(folder))
+    with torch.device("meta"):
+        model = HybridLM(model_config)
+    model.load_state_dict(tensors, strict=False, assign=True)  # tied: lm_head is the embedding, not a key
+    if model_config.tie_word_embeddings:
+        model.lm_head.weight = model.embeddings.weight
+    return model.to(device)
+
+
+def read_torch_file(path) -> tuple:
+    """(model config, tensors) of a consolidated torch file; the model config is None for a bare
+    state dict (name -> tensor), whose model the caller must take from elsewhere."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConvertError(f"{path} is not a file: give a torch file written by `gdn-convert to-torch` (or a "
+                           f"state dict saved with torch.save, with --config)")
+    if is_safetensors(path):
+        raise ConvertError(f"{path} is a safetensors file: convert the Hugging Face folder that holds it (with its "
+                           f"config.json) with from-hf")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        raise ConvertError(f"{path} is not a torch file of tensors ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if _is_state_dict(data):
+        return None, dict(data)
+    if not (isinstance(data, dict) and set(TORCH_KEYS) <= set(data) and isinstance(data["config"], dict)
+            and _is_state_dict(data["model"])):
+        found = listed([repr(k) for k in sorted(data, key=str)]) if isinstance(data, dict) else type(data).__name__
+        raise ConvertError(f"{path} is neither a state dict nor the to-torch form {{'model': state dict, 'config': "
+                           f"model config}} (found {found})")
+    try:
+        model = Config.from_dict({"model": data["config"]}).model
+        model.validate()
+    except ConfigError as err:
+        raise ConvertError(f"{path}: its config is not a valid model config: {err}") from None
+    return model, dict(data["model"])
+
+
+def _is_state_dict(data) -> bool:
+    return isinstance(data, dict) and bool(data) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                         for k, v in data.items())
+
+
+def from_torch(torch_file, out_checkpoint, config_file: Optional[str] = None, overrides: Sequence[str] = (),
+               dtype: str = KEEP) -> Path:
+    model, tensors = read_torch_file(torch_file)
+    source_name = str(torch_file)
+    if model is None:  # a bare state dict: the model is --config's
+        if not config_file:
+            raise ConvertError(f"{torch_file} is a bare state dict ({len(tensors)} tensors) without a model config: "
+                               f"give --config FILE whose model section describes it")
+        model = target_config(None, "", config_file, overrides).model
+        source_name = f"{torch_file} with --config {config_file}"
+    tensors = drop_tied_head(tensors, model, source_name)
+    return _write_new_checkpoint(out_checkpoint, tensors, model, source_name, config_file, overrides, dtype,
+                                 {"format": "torch", "path": str(Path(torch_file).resolve())})

@@ -1,0 +1,147 @@
+"""Our checkpoints (gdn_parallel/checkpoint) read and written by one process, without a process group.
+
+Reading: the tensor entries of the DCP metadata become empty tensors of their global shape, which
+`dcp.load(..., no_dist=True)` fills (public API in torch 2.11 to 2.14; DCP assembles the pieces any
+layout wrote). Writing a checkpoint made from weights alone (from-hf, from-torch): the model tensors
+under `model.<name>`, AdamW slots as a fresh optimizer has them after no step (zero moments, step 0:
+the first update is exactly a fresh AdamW's), trainer_state.json at step 0 with the config, the
+layout of one process and the data stream at its start, and COMPLETE, all under a temporary name.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..checkpoint import latest_checkpoint, read_trainer_state
+from ..checkpoint.files import CHECKPOINTS, COMPLETE, TRAINER_STATE, is_complete
+from ..checkpoint.manager import FORMAT_VERSION
+from ..checkpoint.state import MODEL, OPTIM
+from ..config import Config
+from .atomic import new_directory
+from .errors import ConvertError
+
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+CONFIG_COPY = "config.yaml"   # the config to resume with, beside trainer_state.json
+DEGREES = ("tp", "pp", "cp", "dp")
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP warns that it assumes one process whenever no_dist is on: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory, or a run's out_dir (its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        if not is_complete(path):
+            raise ConvertError(f"{path} is not a complete checkpoint (no {COMPLETE} marker or {TRAINER_STATE}: "
+                               f"an interrupted save?); take a complete step_<N> directory")
+        return path
+    if path.is_dir():
+        newest = latest_checkpoint(str(path))
+        if newest is not None:
+            return newest
+    raise ConvertError(f"{path} {_what_it_is(path)}: give a checkpoint directory (holding .metadata, "
+                       f"{TRAINER_STATE} and {COMPLETE}, e.g. <out_dir>/checkpoints/step_200) or a run's out_dir")
+
+
+def _what_it_is(path: Path) -> str:
+    if not path.exists():
+        return "does not exist"
+    if (path / CHECKPOINTS).is_dir():
+        found = sorted(p.name for p in (path / CHECKPOINTS).iterdir())
+        return f"holds no complete checkpoint (its {CHECKPOINTS}/ has {found or 'nothing'})"
+    if (path / "config.json").is_file():
+        return "is a Hugging Face folder, not a gdn_parallel checkpoint (from-hf converts it into one)"
+    return "is not a gdn_parallel checkpoint"
+
+
+def tensor_entries(path: Path) -> Dict[str, TensorStorageMetadata]:
+    """key -> global shape and dtype of every tensor in the checkpoint; its data files must all exist."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a torn or foreign .metadata: say which file, not a pickle trace
+        raise ConvertError(f"{path}/.metadata cannot be read as torch.distributed.checkpoint metadata "
+                           f"({type(err).__name__}: {err})") from None
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    data_files = {getattr(info, "relative_path", None) for info in storage.values()} - {None}
+    missing = sorted(name for name in data_files if not (path / name).is_file())
+    if missing:
+        raise ConvertError(f"{path} is missing data file(s) {missing} that its .metadata lists; copy the whole "
+                           f"checkpoint directory")
+    return {key: entry for key, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)}
+
+
+def read_tensors(path: Path, entries: Dict[str, TensorStorageMetadata],
+                 keys: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """The whole (single-device) tensors of `keys`, however many processes wrote them."""
+    targets = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
+    if targets:
+        with _one_process():
+            dcp.load(targets, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return targets
+
+
+def read_model(path) -> Tuple[Path, Dict[str, torch.Tensor], dict]:
+    """(checkpoint, model tensors by single-device name, trainer state) of a checkpoint or run directory."""
+    checkpoint = resolve_checkpoint(path)
+    try:
+        saved = read_trainer_state(checkpoint)
+    except ValueError as err:
+        raise ConvertError(f"{checkpoint}/{TRAINER_STATE} is not valid JSON ({err})") from None
+    if not isinstance(saved.get("config", {}).get("model"), dict):
+        raise ConvertError(f"{checkpoint}/{TRAINER_STATE} holds no config.model; it was not written by "
+                           f"gdn_parallel's trainer or converter")
+    entries = tensor_entries(checkpoint)
+    model_keys = [key for key in entries if key.startswith(MODEL)]
+    tensors = read_tensors(checkpoint, entries, model_keys)
+    return checkpoint, {key[len(MODEL):]: value for key, value in tensors.items()}, saved
+
+
+def fresh_optimizer_slots(model_tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """AdamW's state before its first step, in the layout-free form (fp32, the trainer's parameters)."""
+    slots = {}
+    for name, tensor in model_tensors.items():
+        for moment in ADAMW_MOMENTS:
+            slots[f"{OPTIM}{name}.{moment}"] = torch.zeros(tensor.shape, dtype=torch.float32)
+        slots[f"{OPTIM}{name}.step"] = torch.tensor(0.0)
+    return slots
+
+
+def layout_record(config: Config, world: int) -> dict:
+    """The `layout` entry of trainer_state.json (the trainer's form): the degrees `world` processes
+    ran under (all 1 for one process)."""
+    pc = config.parallel
+    degrees = {name: getattr(pc, name) if world > 1 else 1 for name in DEGREES}
+    return {"world_size": world, **degrees, "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
+
+
+def write_checkpoint(out: Path, model_tensors: Dict[str, torch.Tensor], config: Config, data_stream: dict,
+                     source: Optional[dict] = None) -> Path:
+    """A step-0 checkpoint at `out` that the trainer resumes from under any layout."""
+    state = {f"{MODEL}{name}": tensor for name, tensor in model_tensors.items()}
+    state.update(fresh_optimizer_slots(model_tensors))
+    with new_directory(Path(out)) as partial:
+        with _one_process():
+            dcp.save(state, storage_writer=FileSystemWriter(str(partial)), no_dist=True)
+        trainer_state = {"format_version": FORMAT_VERSION, "step": 0, "config": config.to_dict(),
+                         "layout": layout_record(config, 1), "data": {"stream": data_stream}}
+        if source:
+            trainer_state["converted_from"] = source
+        (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        (partial / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
+        (partial / COMPLETE).write_text("")
+    return Path(out)

@@ -1,0 +1,252 @@
+"""flash-linear-attention's `GatedDeltaNetForCausalLM` folder format (fla 0.6.0, transformers 5).
+
+Names: fla's model is ours under `model.` (embeddings, layers.<i>.{attn_norm, attn, mlp_norm, mlp},
+norm), with `lm_head` beside it; the layers inside carry the same names (our GatedDeltaNet and
+Attention were written with fla's). A tied lm_head is not stored (fla ties it to the embeddings).
+
+Config: fla's GatedDeltaNetConfig fields; the attention layers are `attn` specs (`layers`,
+`num_heads`, `num_kv_heads`, `qkv_bias`, `window_size`, `rope_theta`), a window of null being full
+attention: our S layers are one spec, our A layers another (fla 0.6.0 takes a list). Our whole model
+config rides along under `gdn_parallel.model` (transformers keeps unknown keys), so that what fla has
+no field for (gdn_chunk_size, the implementations, a null that means 'derived') survives a round
+trip; it must agree with the fla fields.
+
+What fla's format cannot express is refused, naming it: attention output gates (fla's Attention has
+no g_proj), attention heads not of size hidden_size / num_heads (fla derives it), short-convolution
+biases (GatedDeltaNetBlock builds its convolutions without), and on the way in: use_short_conv=false,
+hidden_act other than swish, a sigmoid output gate, attention residuals (attnres_block_size),
+attention specs that differ in anything but the window, more than one window size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from ..config import Config, ConfigError, ModelConfig
+from .errors import ConvertError
+from .model_tensors import LM_HEAD, drop_tied_head, require_same_architecture
+
+MODEL_TYPE = "gated_deltanet"
+ARCHITECTURE = "GatedDeltaNetForCausalLM"
+CONFIG_FILE = "config.json"
+EMBEDDED = "gdn_parallel"        # config.json key holding our model config
+EMBEDDED_VERSION = 1
+FLA_PREFIX = "model."
+
+# What fla 0.6.0's GatedDeltaNetConfig takes for a field a config.json leaves out.
+FLA_DEFAULTS = {
+    "hidden_size": 2048, "expand_v": 2.0, "use_gate": True, "use_short_conv": True, "allow_neg_eigval": False,
+    "conv_size": 4, "head_dim": 256, "num_heads": 6, "num_v_heads": None, "hidden_ratio": 4,
+    "intermediate_size": None, "hidden_act": "swish", "num_hidden_layers": 21, "norm_eps": 1e-6, "attn": None,
+    "tie_word_embeddings": False, "initializer_range": 0.02, "vocab_size": 32000, "attnres_block_size": None,
+    "output_gate_activation": "swish",
+}
+ATTN_DEFAULTS = {"qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
+
+
+# ---------------------------------------------------------------------------- names
+def hf_name(name: str) -> str:
+    return name if name == LM_HEAD else FLA_PREFIX + name
+
+
+def to_hf_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {hf_name(name): tensor for name, tensor in tensors.items()}
+
+
+def from_hf_tensors(tensors: Dict[str, torch.Tensor], model: ModelConfig, where: str) -> Dict[str, torch.Tensor]:
+    """Our names; names outside fla's model keep theirs (the check against the config names them)."""
+    ours = {(name[len(FLA_PREFIX):] if name.startswith(FLA_PREFIX) else name): t for name, t in tensors.items()}
+    return drop_tied_head(ours, model, where)
+
+
+# ---------------------------------------------------------------------------- ours -> fla
+def format_refusals(model: ModelConfig) -> List[str]:
+    """What of `model` fla's GatedDeltaNetForCausalLM cannot express (empty: exportable)."""
+    types, refused = model.layer_types, []
+    if "G" in types and model.conv_bias:
+        refused.append("model.conv_bias=true: fla's GatedDeltaNetConfig has no conv_bias field "
+                       "(GatedDeltaNetBlock builds its short convolutions without bias)")
+    if "S" in types or "A" in types:
+        if model.attn_output_gate:
+            refused.append("model.attn_output_gate=true: fla's Attention layer has no output gate (g_proj)")
+        fla_head = model.hidden_size // model.attn_num_heads
+        if model.attn_dim != fla_head or model.hidden_size % model.attn_num_heads:
+            refused.append(f"attention heads of {model.attn_dim} (model.attn_head_dim): fla's Attention derives "
+                           f"its head size as hidden_size / num_heads = {model.hidden_size} / "
+                           f"{model.attn_num_heads}; set model.attn_head_dim to null or to that size")
+    return refused
+
+
+def _attn_specs(model: ModelConfig):
+    types = model.layer_types
+    common = {"num_heads": model.attn_num_heads, "num_kv_heads": model.num_kv_heads,
+              "qkv_bias": model.attn_qkv_bias, "rope_theta": model.rope_theta}
+    specs = [{"layers": [i for i, s in enumerate(types) if s == symbol], **common, "window_size": window}
+             for symbol, window in (("S", model.window_size), ("A", None)) if symbol in types]
+    if not specs:
+        return None
+    return specs[0] if len(specs) == 1 else specs  # a single spec as fla writes it; both kinds as a list
+
+
+def _plain_number(value: float):
+    return int(value) if float(value).is_integer() else value
+
+
+def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json of `model` (refusals raise ConvertError naming every field fla cannot express)."""
+    refused = format_refusals(model)
+    if refused:
+        raise ConvertError("flash-linear-attention's GatedDeltaNetForCausalLM cannot express this model: "
+                           + "; ".join(refused))
+    return {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size, "num_hidden_layers": model.n_layers,
+        "num_heads": model.gdn_num_heads, "num_v_heads": model.gdn_num_v_heads, "head_dim": model.gdn_head_dim,
+        "expand_v": model.gdn_expand_v, "use_gate": model.gdn_use_gate,
+        "allow_neg_eigval": model.gdn_allow_neg_eigval, "conv_size": model.conv_size, "use_short_conv": True,
+        "attn_mode": "chunk", "output_gate_activation": "swish",
+        "hidden_ratio": _plain_number(model.hidden_ratio), "intermediate_size": model.intermediate_size,
+        "hidden_act": "swish", "norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_word_embeddings,
+        "initializer_range": model.initializer_range, "attn": _attn_specs(model),
+        "max_position_embeddings": 2048, "use_cache": True, "attnres_block_size": None,
+        "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True, "fuse_linear_cross_entropy": False,
+        "use_l2warp": False,
+        # no special tokens: our corpora are bytes or a tokenizer the model folder does not carry
+        "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+        "dtype": str(dtype).replace("torch.", ""),
+        EMBEDDED: {"format_version": EMBEDDED_VERSION, "model": dataclasses.asdict(model)},
+    }
+
+
+# ---------------------------------------------------------------------------- fla -> ours
+def read_hf_config(folder: Path) -> dict:
+    path = Path(folder) / CONFIG_FILE
+    if not Path(folder).is_dir():
+        raise ConvertError(f"{folder} is not a directory: give a Hugging Face model folder (config.json and "
+                           f"*.safetensors)")
+    if not path.is_file():
+        ours = (Path(folder) / ".metadata").is_file() or (Path(folder) / "checkpoints").is_dir()
+        raise ConvertError(f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder"
+                           + (" (it is a gdn_parallel checkpoint or run: to-hf converts it into one)" if ours else ""))
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConvertError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(hf, dict) or hf.get("model_type") != MODEL_TYPE:
+        found = hf.get("model_type") if isinstance(hf, dict) else None
+        raise ConvertError(f"{path}: model_type {found!r} is not {MODEL_TYPE!r}; only flash-linear-attention's "
+                           f"GatedDeltaNetForCausalLM folders (and ours) convert")
+    return hf
+
+
+def _attention_of(hf: dict, n_layers: int, where: str):
+    """(per-layer symbols 'G'/'S'/'A', the one attention setting (heads, kv heads, qkv bias, rope theta)
+    or None, the one sliding window or None) from fla's attn specs."""
+    attn = hf.get("attn")
+    specs = [] if attn is None else [attn] if isinstance(attn, dict) else attn
+    if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
+        raise ConvertError(f"{where}: attn={attn!r} is neither null, a spec nor a list of specs")
+    symbols, settings, windows = ["G"] * n_layers, set(), set()
+    for spec in specs:
+        if "layers" not in spec or "num_heads" not in spec:
+            raise ConvertError(f"{where}: the attn spec {spec} lacks 'layers' or 'num_heads'")
+        spec = {**ATTN_DEFAULTS, **spec}
+        settings.add((spec["num_heads"], spec.get("num_kv_heads") or spec["num_heads"], spec["qkv_bias"],
+                      spec["rope_theta"]))
+        window = spec["window_size"]
+        if window is not None:
+            windows.add(window)
+        for layer in spec["layers"]:
+            if type(layer) is not int or not 0 <= layer < n_layers or symbols[layer] != "G":
+                raise ConvertError(f"{where}: attn layer {layer!r} is out of [0, {n_layers}) or given twice")
+            symbols[layer] = "A" if window is None else "S"
+    if len(settings) > 1:
+        raise ConvertError(f"{where}: the attn specs differ in num_heads / num_kv_heads / qkv_bias / rope_theta "
+                           f"({sorted(settings)}); gdn_parallel has one attention setting for all layers")
+    if len(windows) > 1:
+        raise ConvertError(f"{where}: the attn specs use several window sizes {sorted(windows)}; gdn_parallel "
+                           f"has one (model.window_size) besides full attention")
+    setting = settings.pop() if settings else None
+    return "".join(symbols), setting, (windows.pop() if windows else None)
+
+
+def _shortest_tile(types: str) -> str:
+    """The shortest pattern that tiles the layer types ('GSGS' -> 'GS'), as our configs write it."""
+    n = len(types)
+    return next(types[:p] for p in range(1, n + 1) if n % p == 0 and types[:p] * (n // p) == types)
+
+
+def derived_model_config(hf: dict, where: str) -> ModelConfig:
+    """Our model config from fla's fields alone (refusing what we cannot build)."""
+    get = lambda key: hf.get(key, FLA_DEFAULTS[key])  # noqa: E731
+    refused = []
+    if not get("use_short_conv"):
+        refused.append("use_short_conv=false (our GatedDeltaNet always has its short convolutions)")
+    if get("hidden_act") not in ("swish", "silu"):
+        refused.append(f"hidden_act={get('hidden_act')!r} (our MLP is SwiGLU: swish)")
+    if get("use_gate") and get("output_gate_activation") not in ("swish", "silu"):
+        refused.append(f"output_gate_activation={get('output_gate_activation')!r} (our output gate is swish)")
+    if get("attnres_block_size") is not None:
+        refused.append(f"attnres_block_size={get('attnres_block_size')!r} (attention residuals: extra "
+                       f"parameters and another residual stream)")
+    if refused:
+        raise ConvertError(f"{where} describes a model gdn_parallel cannot build: " + "; ".join(refused))
+    n_layers = get("num_hidden_layers")
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ConvertError(f"{where}: num_hidden_layers={n_layers!r} must be a positive integer")
+    types, setting, window = _attention_of(hf, n_layers, where)
+    fields = dict(
+        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), n_layers=n_layers,
+        layer_pattern=_shortest_tile(types), gdn_num_heads=get("num_heads"), gdn_num_v_heads=get("num_v_heads"),
+        gdn_head_dim=get("head_dim"), gdn_expand_v=get("expand_v"), gdn_use_gate=get("use_gate"),
+        gdn_allow_neg_eigval=get("allow_neg_eigval"), conv_size=get("conv_size"), conv_bias=False,
+        hidden_ratio=get("hidden_ratio") if get("hidden_ratio") is not None else 4,
+        intermediate_size=get("intermediate_size"), norm_eps=get("norm_eps"),
+        tie_word_embeddings=get("tie_word_embeddings"), initializer_range=get("initializer_range"))
+    if setting is not None:
+        heads, kv_heads, qkv_bias, rope_theta = setting
+        fields.update(attn_num_heads=heads, attn_num_kv_heads=kv_heads, attn_qkv_bias=qkv_bias,
+                      rope_theta=rope_theta, attn_head_dim=None)
+    if window is not None:
+        fields["window_size"] = window
+    return _validated(fields, where, fla_fields=True)
+
+
+# Our fields under another name in fla's config.json (for messages about a folder's fla fields).
+FLA_NAMES = {"n_layers": "num_hidden_layers", "gdn_num_heads": "num_heads", "gdn_num_v_heads": "num_v_heads",
+             "gdn_head_dim": "head_dim", "gdn_expand_v": "expand_v", "gdn_use_gate": "use_gate",
+             "gdn_allow_neg_eigval": "allow_neg_eigval", "attn_num_heads": "attn num_heads",
+             "attn_num_kv_heads": "attn num_kv_heads", "window_size": "attn window_size"}
+
+
+def _validated(fields: dict, where: str, fla_fields: bool = False) -> ModelConfig:
+    try:
+        model = Config.from_dict({"model": fields}).model
+        model.validate()
+    except ConfigError as err:
+        named = [f"model.{ours} is {theirs}" for ours, theirs in FLA_NAMES.items() if f"model.{ours}" in str(err)
+                 or f"{ours} " in str(err)]
+        hint = f" (in {CONFIG_FILE}: {', '.join(named)})" if fla_fields and named else ""
+        raise ConvertError(f"{where} gives a model gdn_parallel cannot build: {err}{hint}") from None
+    return model
+
+
+def source_model_config(hf: dict, where: str) -> ModelConfig:
+    """The model a folder holds: our embedded config when present (checked against fla's fields),
+    else the one fla's fields describe."""
+    derived = derived_model_config(hf, where)
+    embedded = hf.get(EMBEDDED)
+    if embedded is None:
+        return derived
+    if not isinstance(embedded, dict) or not isinstance(embedded.get("model"), dict):
+        raise ConvertError(f"{where}: the {EMBEDDED} entry is not {{'model': {{...}}}}; delete it to use the fla "
+                           f"fields alone")
+    ours = _validated(embedded["model"], f"{where} ({EMBEDDED}.model)")
+    require_same_architecture(derived, ours, "fla fields", f"{EMBEDDED}.model", where=where,
+                              fix=f"config.json was edited after export: delete its {EMBEDDED} entry to take "
+                                  f"the fla fields")
+    return ours
