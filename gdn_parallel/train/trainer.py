@@ -115,7 +115,7 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
                                        dp_rank=dims.rank("dp"), dp_size=pc.dp, dataset=dataset)
     # Every replica evaluates the whole validation set: the same steps on every rank (collectives), and
     # the global mean is unchanged by counting each token once per replica.
-    val_steps = _validation_steps(dataset, config)
+    val_steps = _validation_steps(dataset, config, device)
     tokens_per_step = train.batch_size * train.seq_len * pc.dp
 
     say(f"data  | {dataset.describe()}")
@@ -208,14 +208,15 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
                     device, say)
 
 
-def _validation_steps(dataset, config: Config) -> List[list]:
-    """train.eval_batches validation steps of rows (fixed: the same every evaluation)."""
+def _validation_steps(dataset, config: Config, device: torch.device) -> List[list]:
+    """train.eval_batches validation steps of rows (fixed: the same every evaluation), on the
+    training device once, like the training micro-batches each step."""
     train = config.train
     if len(dataset.val) == 0:
         return []
     rows = TokenBatches.from_config(config.data, train.seq_len, train.microbatch_rows, split="val",
                                     dataset=dataset, epochs=1, drop_last=False)
-    micro = list(itertools.islice(rows, train.eval_batches * train.microbatches))
+    micro = [row.to(device) for row in itertools.islice(rows, train.eval_batches * train.microbatches)]
     return [micro[i:i + train.microbatches] for i in range(0, len(micro), train.microbatches)]
 
 

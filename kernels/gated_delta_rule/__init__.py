@@ -86,8 +86,11 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
 
 
 def _key_block(K: int) -> int:
-    """Every kernel holds all K columns of a key or state row at once (K <= 256)."""
-    return max(16, triton.next_power_of_2(K))
+    """Every kernel holds all K columns of a key or state row at once (K <= 256). At least 32: with
+    16-column tiles and 16-bit inputs Triton 3.6 builds a ut_backward that reads past its shared
+    memory on Hopper (compute-sanitizer, H200: K = 16, V = 32, bf16 and fp16); masked columns cost
+    little at such small heads."""
+    return max(32, triton.next_power_of_2(K))
 
 
 def _precision(x: torch.Tensor) -> str:

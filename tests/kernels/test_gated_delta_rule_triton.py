@@ -142,9 +142,23 @@ def test_bf16_against_fp32_reference_on_gpu(T):
 @pytest.mark.parametrize("noise", [0.0, 0.05])
 def test_repeated_keys_bf16_on_gpu(noise):
     """The value pattern of the first-step NaN at the 1.3B shapes (K = 128, V = 256, bf16, TF32 on
-    Hopper), against the float64 oracle."""
+    Hopper), against the float64 oracle.
+
+    Alike keys with beta near 1 make some gradients (dbeta, dg) small differences of large terms, so
+    bf16 rounding costs more here than on random inputs: the oracle itself, fed the bf16-rounded
+    inputs, is off by up to ~4e-3 (H200). The kernels round again inside (the bf16 operands of every
+    product), so each quantity may be off by 1e-2 or four times the input rounding's own error,
+    whichever is larger; a NaN or the old power-series collapse (errors of order 1) still fails."""
     inputs = repeated_key_inputs(4096, 128, 256, seed=21, noise=noise)
-    assert_close(run(inputs, "triton", torch.bfloat16), run(inputs, "chunk", torch.float64), 1e-2)
+    expected = run(inputs, "chunk", torch.float64)
+    bf16_inputs = [x.to(torch.bfloat16).to(x.dtype) if i < 5 else x for i, x in enumerate(inputs)]
+    input_rounding = run(bf16_inputs, "chunk", torch.float64)
+    actual = run(inputs, "triton", torch.bfloat16)
+    for name, a, r, e in zip(NAMES, actual, input_rounding, expected):
+        assert torch.isfinite(a).all(), f"{name} has non-finite values"
+        err, rounding_err = rel_err(a.cpu(), e.cpu()), rel_err(r.cpu(), e.cpu())
+        print(f"{name}: triton bf16 {err:.2e}, oracle on bf16-rounded inputs {rounding_err:.2e}")
+        assert err < max(1e-2, 4 * rounding_err), f"{name}: {err:.2e} (input rounding alone {rounding_err:.2e})"
 
 
 # Every head size the op accepts, in every input dtype: the launch settings step down where a device

@@ -103,10 +103,11 @@ def tiny_config(**overrides):
 
 
 def fused_twin(config):
-    """The default model (float64) and a copy with the fused criterion and the same weights."""
+    """The model with the plain criterion (float64) and a copy with the fused one and the same weights.
+    (`None`, the default, fuses on CUDA: so the plain one is asked for by name.)"""
     from gdn_parallel.model import HybridLM
     seed_torch(0)
-    default = HybridLM(config).double()
+    default = HybridLM(dataclasses.replace(config, fused_linear_cross_entropy=False)).double()
     fused_model = HybridLM(dataclasses.replace(config, fused_linear_cross_entropy=True)).double()
     fused_model.load_state_dict(default.state_dict())
     assert fused_model.criterion.fuses_lm_head and not default.criterion.fuses_lm_head

@@ -135,3 +135,17 @@ def test_loss_png_when_matplotlib_is_available(tmp_path):
     logger.close()
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_validation_rows_are_on_the_training_device():
+    """Regression (found on a GPU): the fixed validation rows stayed on the host while the model was
+    on CUDA, so the first evaluation failed in the embedding lookup. The meta device stands in for a
+    GPU here: every tensor of every row must be on the device given."""
+    from gdn_parallel.data import load_dataset
+    from gdn_parallel.train.trainer import _validation_steps
+    config = load_config(build_parser().parse_args(["--set", "train.eval_batches=2"]))
+    steps = _validation_steps(load_dataset(config.data), config, torch.device("meta"))
+    rows = [row for step in steps for row in step]
+    assert len(steps) == 2 and rows
+    assert all(t.device.type == "meta" for row in rows
+               for t in (row.input_ids, row.labels, row.position_ids, row.cu_seqlens))

@@ -10,8 +10,8 @@ the local shard while the keys are the halo from previous ranks followed by the 
 `attention` is the single-device form (queries = keys = the whole row).
 
 Two implementations with the same numbers: "sdpa" (dense boolean mask; runs anywhere, autograd
-everywhere) and "flex" (FlexAttention block mask; compiled on CUDA so masked-out blocks are
-skipped; on CPU it runs the unfused eager path and has no backward). "auto" picks flex on CUDA.
+everywhere) and "flex" (FlexAttention with a block mask built from per-block bounds, block_mask.py; compiled
+on CUDA so masked-out blocks are skipped; on CPU it runs the unfused eager path and has no backward). "auto" picks flex on CUDA.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ...config import ATTENTION_IMPLS
 from ..rope import document_ids_from_cu_seqlens
 from ..validation import check_cu_seqlens, values_checked
+from .block_mask import block_mask
 
 __all__ = ["masked_attention", "row_attention", "attention_reference"]
 
@@ -113,34 +114,32 @@ def _sdpa(q, k, v, q_index, k_index, q_doc, k_doc, window, scale):
 _compiled: dict = {}
 
 
-def _flex_functions(device: torch.device):
-    """(create_block_mask, flex_attention), compiled once per process on CUDA, eager elsewhere."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled once per process on CUDA (the fused kernel that skips empty tiles),
+    eager elsewhere. The block mask needs no compilation (block_mask.py)."""
+    from torch.nn.attention.flex_attention import flex_attention
     if device.type != "cuda":
-        return create_block_mask, flex_attention
+        return flex_attention
     if not _compiled:
-        # Compiled create_block_mask evaluates mask_mod block by block instead of materialising
-        # the [Tq, Tk] mask; compiled flex_attention is the fused kernel that skips empty blocks.
-        _compiled["mask"] = torch.compile(create_block_mask)
         _compiled["attn"] = torch.compile(flex_attention)
-    return _compiled["mask"], _compiled["attn"]
+    return _compiled["attn"]
 
 
 def _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale):
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("impl='flex' has no backward on CPU (a FlexAttention limitation); "
                          "use impl='sdpa' or 'auto' when gradients are needed")
-    make_mask, flex_attention = _flex_functions(q.device)
+    flex_attention = _flex_attention(q.device)
 
     def mask_mod(b, h, qi, ki):
         return _allowed(q_index[qi], k_index[ki], q_doc[qi], k_doc[ki], window)
 
-    block_mask = make_mask(mask_mod, None, None, q.shape[1], k.shape[1], device=q.device)
+    tiles = block_mask(mask_mod, q_index, k_index, q_doc, k_doc, window)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     with warnings.catch_warnings():
         # Eager (CPU) flex warns that it is unfused; that is expected off CUDA.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        o = flex_attention(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+        o = flex_attention(qt, kt, vt, block_mask=tiles, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
     return o.transpose(1, 2)
 
 
