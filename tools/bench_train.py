@@ -127,10 +127,11 @@ def measure(name, model, loss_sum, flops_per_token, batch, micro, seq_len, vocab
         peak = peak_flops_per_s(argparse.Namespace(peak_tflops=0.0), device)
         row.update(step_ms=ms, tokens_per_s=tokens_per_s, peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30,
                    mfu=flops_per_token * tokens_per_s / peak if peak and flops_per_token else None)
-    except Exception as err:  # noqa: BLE001
-        if not is_oom(err):
-            raise
-        row.update(oom=True)
+    except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others' rows
+        if is_oom(err):
+            row.update(oom=True)
+        else:
+            row.update(error=f"{type(err).__name__}: {str(err)[:500]}")
     return row
 
 
@@ -173,6 +174,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda")
     results, accounts = [], {}
+
+    def write_payload() -> dict:  # after every row: a run stopped part-way keeps what it measured
+        payload = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "results": results,
+                   "accounts": accounts}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+        return payload
+
     for path in args.configs.split(","):
         config = Config.from_yaml(path)
         seq_len = args.seq_len or config.train.seq_len
@@ -188,6 +197,7 @@ def main(argv=None) -> int:
                               args, device)
                 results.append({"config": path, **row})
                 print(json.dumps(results[-1]), flush=True)
+                write_payload()
                 del model, loss_sum
                 free_memory(device)
             peer = None if args.no_fla else fla_peer(config, device)
@@ -197,18 +207,17 @@ def main(argv=None) -> int:
                               args, device)
                 results.append({"config": path, **row})
                 print(json.dumps(results[-1]), flush=True)
+                write_payload()
                 del model, loss_sum, peer
                 free_memory(device)
-    payload = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "results": results,
-               "accounts": accounts}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=1))
+    payload = write_payload()
     print(f"\n{payload['device']}, torch {torch.__version__}")
     print(f"{'config':24s} {'model':18s} {'batch':>5s} {'micro':>5s} {'ms/step':>9s} {'tok/s':>9s} {'MFU':>6s} "
           f"{'peak GiB':>9s}")
     for r in results:
-        if r.get("oom"):
-            print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} {'OOM':>9s}")
+        if r.get("oom") or r.get("error"):
+            print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} "
+                  + ("      OOM" if r.get("oom") else f"  error: {r['error']}"))
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
         print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} {r['step_ms']:9.1f} "
@@ -218,7 +227,7 @@ def main(argv=None) -> int:
               f"{acc['total_gib']:.2f} GiB")
         for module, mib in list(acc["by_module_mib"].items())[:25]:
             print(f"  {module:40s} {mib:9.1f} MiB")
-    return 0
+    return 1 if any(r.get("error") for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ peak) for --steps optimizer steps on the embedded corpus, warmup 2 steps, loggin
 passes when every loss is finite and the mean of the last third of the losses is below the mean of the
 first third. Printed per config: seconds from launch to the first step line (start-up: imports, corpus,
 model build) and the first step's own time (kernel compilation and autotuning), then the steady
-tokens/s, MFU and peak memory over the later steps. A table on stdout and JSON (--out/gpu_smoke.json).
+tokens/s, MFU and peak memory over the later steps. A table on stdout and JSON (--out/gpu_smoke.json,
+rewritten after every config, so that a run stopped part-way keeps the configs it finished).
+Checkpoints are off unless --checkpoint is given: the final save of a 1.3B model with its optimizer
+state writes ~16 GB and takes longer than the 20 steps; save and resume have their own checks.
 Exit status 1 if any config fails.
 """
 from __future__ import annotations
@@ -28,11 +31,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: float) -> dict:
+def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: float,
+               checkpoint: bool = False) -> dict:
     run_dir = out_dir / config.stem
     command = [sys.executable, "-m", "gdn_parallel.train", "--config", str(config),
                "--set", f"train.steps={steps}", "--set", "train.warmup_steps=2", "--set", "train.log_every=1",
-               "--set", "train.eval_every=0", "--set", f"train.out_dir={run_dir}", *extra]
+               "--set", "train.eval_every=0", "--set", f"train.out_dir={run_dir}",
+               "--set", f"checkpoint.enabled={str(checkpoint).lower()}", *extra]
     start = time.perf_counter()
     first_step_s, lines = None, []
     # Its own process group, killed whole on a timeout or when this script is stopped: a training
@@ -117,6 +122,7 @@ def main(argv=None) -> int:
                    help="extra override for every config (repeatable)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per config before it is killed")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "gpu_smoke"))
+    p.add_argument("--checkpoint", action="store_true", help="keep the final checkpoint save of every run")
     args = p.parse_args(argv)
     # `timeout` and schedulers stop a job with SIGTERM: leave through the finally blocks, which kill
     # the training process of the config that was running.
@@ -127,7 +133,14 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = [x for o in args.overrides for x in ("--set", o)]
     results = []
+    import torch
     from gdn_parallel.config import Config
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+    def write_report() -> None:
+        report = {"device": device, "steps": args.steps, "results": results}
+        (out_dir / "gpu_smoke.json").write_text(json.dumps(report, indent=1))
+
     for config in configs:
         path = config if config.is_absolute() else REPO / config
         world = Config.from_yaml(path, args.overrides, validate=False).parallel.world_size
@@ -135,11 +148,10 @@ def main(argv=None) -> int:
             print(f"  [{path.stem}] skipped: its layout needs {world} processes", flush=True)
             results.append({"config": path.name, "passed": None, "why": f"needs {world} GPUs"})
             continue
-        results.append(run_config(path, args.steps, out_dir, extra, args.timeout))
-    import torch
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    report = {"device": device, "steps": args.steps, "results": results}
-    (out_dir / "gpu_smoke.json").write_text(json.dumps(report, indent=1))
+        results.append(run_config(path, args.steps, out_dir, extra, args.timeout, args.checkpoint))
+        write_report()
+        print(table(results[-1:]), flush=True)
+    write_report()
     print(f"\n{device}, {args.steps} steps per config, {out_dir / 'gpu_smoke.json'}")
     print(table(results))
     return 0 if all(r["passed"] is not False for r in results) else 1
