@@ -110,8 +110,10 @@ def _precision(x: torch.Tensor) -> str:
 # backward would recompute, so accuracy is the same) from the forward instead of recomputing them:
 # ~17% less time for [T, HV] x (K + K*V/64 + V) more activation memory per layer (with activation
 # checkpointing only the block being recomputed holds them). False trades the time back for memory.
+# backward_key_block: key columns per tile of qkw_backward and ut_backward; 0: all of K, and half of it
+# where the device cannot hold all (fp32 inputs at K = 256 need ~290-320 KB of shared memory whole).
 TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_warps": 4, "parallel_block_v": 64,
-          "span_chunks": -1, "save_chunk_states": True, "ut_forward_warps": 4}
+          "span_chunks": -1, "save_chunk_states": True, "ut_forward_warps": 4, "backward_key_block": 0}
 
 
 def _sequential_settings(V: int):
@@ -121,6 +123,16 @@ def _sequential_settings(V: int):
 def _parallel_settings(V: int, num_warps: int):
     """Per-chunk kernels; 3 stages is Triton's default depth."""
     return setting_ladder(value_blocks(V, TUNING["parallel_block_v"]), num_warps, 3)
+
+
+def _key_split_settings(K: int, V: int, num_warps: int):
+    """Per-chunk backward kernels: each setting with all key columns in one tile, then with half of
+    them per tile (two passes over the key columns, the C x C products summed over both). Halving the
+    key tile before the value block keeps fp32 at K = 256 at the value block and depth of fp32 at
+    K = 128, and spares the compilation of settings that cannot fit either."""
+    BK, forced = _key_block(K), TUNING["backward_key_block"]
+    tiles = [forced] if forced else [BK] + ([BK // 2] if BK >= 64 else [])
+    return [dict(s, KB=min(tile, BK)) for s in _parallel_settings(V, num_warps) for tile in tiles]
 
 
 def _shape_key(keys, values):
@@ -281,14 +293,14 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dgamma = _buffer((HV, Tp), torch.float32, v.device)
         launch_fitting(bwd.qkw_backward, lambda s: (n, HV),
                        (q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H, HV, K, V, CHUNK, BK),
-                       _parallel_settings(V, TUNING["parallel_warps"]), key)
+                       _key_split_settings(K, V, TUNING["parallel_warps"]), key)
         del h, dh, delta
         dk_out = _buffer((Tp, HV, K), k.dtype, v.device) if G == 1 else dk
         dv = _buffer(v.shape, v.dtype, v.device)
         dbeta = _buffer((Tp, HV), torch.float32, v.device)
         launch_fitting(bwd.ut_backward, lambda s: (n, HV),
                        (k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K, V, CHUNK, BK),
-                       _parallel_settings(V, TUNING["parallel_warps"]), key)
+                       _key_split_settings(K, V, TUNING["parallel_warps"]), key)
         dk = dk_out
         if G > 1:  # value heads sharing a q/k head add their gradients
             dq, dk = dq.view(Tp, H, G, K).sum(2), dk.view(Tp, H, G, K).sum(2)

@@ -20,7 +20,7 @@ forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them in
 import triton
 import triton.language as tl
 
-from .common import (chunk_gram, decay_matrix, identity_columns, load_gamma, load_rows, load_state,
+from .common import (decay_matrix, identity_columns, load_gamma, load_rows, load_state,
                      load_value_columns, store_rows, store_state, store_summary)
 
 
@@ -85,89 +85,117 @@ def state_backward(q, k, w, gamma, do, dd_local, doc_first_chunk, doc_num_chunks
 @triton.jit
 def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr):
+                 BV: tl.constexpr, KB: tl.constexpr):
+    """Key columns in NUM_KB = BK // KB tiles of KB: one tile where the device holds all of K (the
+    fast path), two where it cannot (fp32 inputs at K = 256); the C x C products sum over every tile."""
+    NUM_KB: tl.constexpr = BK // KB
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
-    do_state = tl.zeros([C, BK], dtype=tl.float32)      # dO S^T
-    do_delta = tl.zeros([C, C], dtype=tl.float32)       # dO Delta^T
-    delta_dh = tl.zeros([C, BK], dtype=tl.float32)      # Delta dS'^T
-    dd_state = tl.zeros([C, BK], dtype=tl.float32)      # dDelta S^T
-    state_dot = tl.zeros([BK], dtype=tl.float32)        # <S, dS'> (row partial sums)
-    for col0 in tl.static_range(0, V, BV):
-        state = load_state(h, chunk * HV + hv, K, V, BK, BV, col0)
-        dstate = load_state(dh, chunk * HV + hv, K, V, BK, BV, col0)
-        dl = load_rows(delta, row0, hv, HV, V, C, BV, col0)
-        ddl = load_rows(dd, row0, hv, HV, V, C, BV, col0)
-        dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
-        do_state += tl.dot(dout, tl.trans(state))
-        do_delta += tl.dot(dout, tl.trans(dl))
-        delta_dh += tl.dot(dl, tl.trans(dstate))
-        dd_state += tl.dot(ddl, tl.trans(state))
-        state_dot += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
-    qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
-    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
+    qh = hv // (HV // H)
     gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
-    # O's inter-chunk term scale e^gamma Q S.
-    dqq = do_state * (tl.exp(gam) * scale)[:, None]
-    dgam = tl.sum(qq.to(tl.float32) * dqq, axis=1)
-    # O's intra-chunk term (scale Q K^T o Gamma) Delta.
-    d_scores = do_delta * decay_matrix(gam, C, False) * scale
-    d_gate = d_scores * tl.dot(qq, tl.trans(kk))
-    dgam += tl.sum(d_gate, axis=1) - tl.sum(d_gate, axis=0)
-    dqq += tl.dot(d_scores.to(kk.dtype), kk)
-    dkk = tl.dot(tl.trans(d_scores).to(qq.dtype), qq)
-    # S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Delta.
-    dk_end = delta_dh * tl.exp(g_last - gam)[:, None]
-    dkk += dk_end
-    to_end = tl.sum(kk.to(tl.float32) * dk_end, axis=1)
-    dgam -= to_end
+    do_delta = tl.zeros([C, C], dtype=tl.float32)       # dO Delta^T
+    state_dot = tl.zeros([KB], dtype=tl.float32)        # <S, dS'> (row partial sums)
+    to_end_sum = tl.zeros([C], dtype=tl.float32)
+    for kb in tl.static_range(NUM_KB):
+        key0 = kb * KB
+        do_state = tl.zeros([C, KB], dtype=tl.float32)      # dO S^T
+        delta_dh = tl.zeros([C, KB], dtype=tl.float32)      # Delta dS'^T
+        dd_state = tl.zeros([C, KB], dtype=tl.float32)      # dDelta S^T
+        for col0 in tl.static_range(0, V, BV):
+            state = load_state(h, chunk * HV + hv, K, V, KB, BV, col0, key0)
+            dstate = load_state(dh, chunk * HV + hv, K, V, KB, BV, col0, key0)
+            dl = load_rows(delta, row0, hv, HV, V, C, BV, col0)
+            ddl = load_rows(dd, row0, hv, HV, V, C, BV, col0)
+            dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+            do_state += tl.dot(dout, tl.trans(state))
+            if kb == 0:
+                do_delta += tl.dot(dout, tl.trans(dl))
+            delta_dh += tl.dot(dl, tl.trans(dstate))
+            dd_state += tl.dot(ddl, tl.trans(state))
+            state_dot += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
+        qq = load_rows(q, row0, qh, H, K, C, KB, key0)
+        kk = load_rows(k, row0, qh, H, K, C, KB, key0)
+        if kb == 0:
+            # O's intra-chunk term (scale Q K^T o Gamma) Delta: its score gradient needs Q K^T over all K.
+            qk = tl.dot(qq, tl.trans(kk))
+            for other in tl.static_range(1, NUM_KB):
+                qk += tl.dot(load_rows(q, row0, qh, H, K, C, KB, other * KB),
+                             tl.trans(load_rows(k, row0, qh, H, K, C, KB, other * KB)))
+            d_scores = do_delta * decay_matrix(gam, C, False) * scale
+            d_gate = d_scores * qk
+            dgam = tl.sum(d_gate, axis=1) - tl.sum(d_gate, axis=0)
+        # O's inter-chunk term scale e^gamma Q S.
+        dqq = do_state * (tl.exp(gam) * scale)[:, None]
+        dgam += tl.sum(qq.to(tl.float32) * dqq, axis=1)
+        dqq += tl.dot(d_scores.to(kk.dtype), kk)
+        dkk = tl.dot(tl.trans(d_scores).to(qq.dtype), qq)
+        # S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Delta.
+        dk_end = delta_dh * tl.exp(g_last - gam)[:, None]
+        dkk += dk_end
+        to_end = tl.sum(kk.to(tl.float32) * dk_end, axis=1)
+        dgam -= to_end
+        to_end_sum += to_end
+        store_rows(dq, dqq, row0, hv, HV, K, C, KB, key0)
+        store_rows(dk, dkk, row0, hv, HV, K, C, KB, key0)
+        store_rows(dw, -dd_state, row0, hv, HV, K, C, KB, key0)
     last = tl.arange(0, C) == C - 1
-    dgam += tl.where(last, tl.sum(to_end, axis=0) + tl.exp(g_last) * tl.sum(state_dot, axis=0), 0.)
-    store_rows(dq, dqq, row0, hv, HV, K, C, BK)
-    store_rows(dk, dkk, row0, hv, HV, K, C, BK)
-    store_rows(dw, -dd_state, row0, hv, HV, K, C, BK)
+    dgam += tl.where(last, tl.sum(to_end_sum, axis=0) + tl.exp(g_last) * tl.sum(state_dot, axis=0), 0.)
     tl.store(dgamma + hv * Tp + row0 + tl.arange(0, C), dgam)
 
 
 @triton.jit
 def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H: tl.constexpr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr):
+                BV: tl.constexpr, KB: tl.constexpr):
     """Adds the gradients through W = T diag(beta e^gamma) K and U = T diag(beta) V into dgamma, and
-    to dk (fp32, from qkw_backward), writing the sum to dk_out (dk itself, or the input dtype at once)."""
+    to dk (fp32, from qkw_backward), writing the sum to dk_out (dk itself, or the input dtype at once).
+    Key columns in BK // KB tiles of KB, as in qkw_backward: the Gram matrix and dT sum over all of
+    them first, then each tile gets its dk."""
+    NUM_KB: tl.constexpr = BK // KB
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
-    kk, b, gam, gram, a = chunk_gram(k, beta, gamma, chunk, hv, Tp, H, HV, K, C, BK)
-    t_in = load_rows(t_inv, row0, hv, HV, C, C, C).to(kk.dtype)
+    kh = hv // (HV // H)
+    b = tl.load(beta + (row0 + tl.arange(0, C)) * HV + hv).to(tl.float32)
+    gam, _ = load_gamma(gamma, row0, hv, Tp, C)
     e_gam = tl.exp(gam)
-    key_scaled = (kk * (b * e_gam)[:, None]).to(kk.dtype)
-    dww = load_rows(dw, row0, hv, HV, K, C, BK).to(kk.dtype)
-    d_key_scaled = tl.dot(tl.trans(t_in), dww)
-    d_t = tl.dot(dww, tl.trans(key_scaled))
+    t_in = load_rows(t_inv, row0, hv, HV, C, C, C).to(k.dtype.element_ty)
+    gram = tl.zeros([C, C], dtype=tl.float32)
+    d_t = tl.zeros([C, C], dtype=tl.float32)
+    for kb in tl.static_range(NUM_KB):
+        kk = load_rows(k, row0, kh, H, K, C, KB, kb * KB)
+        dww = load_rows(dw, row0, hv, HV, K, C, KB, kb * KB).to(kk.dtype)
+        gram += tl.dot(kk, tl.trans(kk))
+        d_t += tl.dot(dww, tl.trans((kk * (b * e_gam)[:, None]).to(kk.dtype)))
+    a = gram * decay_matrix(gam, C, True) * b[:, None]
     db = tl.zeros([C], dtype=tl.float32)
     for col0 in tl.static_range(0, V, BV):
-        du = load_rows(dd, row0, hv, HV, V, C, BV, col0).to(kk.dtype)
+        du = load_rows(dd, row0, hv, HV, V, C, BV, col0).to(t_in.dtype)
         vv = load_rows(v, row0, hv, HV, V, C, BV, col0)
         d_v_scaled = tl.dot(tl.trans(t_in), du)
         store_rows(dv, d_v_scaled * b[:, None], row0, hv, HV, V, C, BV, col0)
         db += tl.sum(vv.to(tl.float32) * d_v_scaled, axis=1)
         d_t += tl.dot(du, tl.trans((vv * b[:, None]).to(vv.dtype)))
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept on A's strictly lower support.
-    d_a = -tl.dot(tl.dot(tl.trans(t_in), d_t.to(kk.dtype)).to(kk.dtype), tl.trans(t_in))
+    d_a = -tl.dot(tl.dot(tl.trans(t_in), d_t.to(t_in.dtype)).to(t_in.dtype), tl.trans(t_in))
     i = tl.arange(0, C)
     d_a = tl.where(i[:, None] > i[None, :], d_a, 0.)
     decay = decay_matrix(gam, C, True)
     db += tl.sum(d_a * gram * decay, axis=1)
-    d_gram = (d_a * decay * b[:, None]).to(kk.dtype)
-    dkk = tl.dot(d_gram, kk) + tl.dot(tl.trans(d_gram), kk)
+    d_gram = (d_a * decay * b[:, None]).to(t_in.dtype)
     d_gate = d_a * a
     dgam = tl.sum(d_gate, axis=1) - tl.sum(d_gate, axis=0)
-    # key_scaled = diag(beta e^gamma) K
-    through_scale = tl.sum(kk.to(tl.float32) * d_key_scaled, axis=1)
-    dkk += d_key_scaled * (b * e_gam)[:, None]
-    db += e_gam * through_scale
-    dgam += b * e_gam * through_scale
-    store_rows(dk_out, load_rows(dk, row0, hv, HV, K, C, BK) + dkk, row0, hv, HV, K, C, BK)
+    for kb in tl.static_range(NUM_KB):
+        if NUM_KB > 1:  # one tile: kk and dW are still held from the loop above
+            kk = load_rows(k, row0, kh, H, K, C, KB, kb * KB)
+            dww = load_rows(dw, row0, hv, HV, K, C, KB, kb * KB).to(kk.dtype)
+        dkk = tl.dot(d_gram, kk) + tl.dot(tl.trans(d_gram), kk)
+        # key_scaled = diag(beta e^gamma) K
+        d_key_scaled = tl.dot(tl.trans(t_in), dww)
+        through_scale = tl.sum(kk.to(tl.float32) * d_key_scaled, axis=1)
+        dkk += d_key_scaled * (b * e_gam)[:, None]
+        db += e_gam * through_scale
+        dgam += b * e_gam * through_scale
+        store_rows(dk_out, load_rows(dk, row0, hv, HV, K, C, KB, kb * KB) + dkk, row0, hv, HV, K, C, KB, kb * KB)
     tl.store(dbeta + (row0 + tl.arange(0, C)) * HV + hv, db)
     gptr = dgamma + hv * Tp + row0 + tl.arange(0, C)
     tl.store(gptr, tl.load(gptr) + dgam)

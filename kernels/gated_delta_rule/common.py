@@ -30,9 +30,10 @@ def store_rows(ptr, value, row0, head, num_heads: tl.constexpr, width: tl.conste
 
 
 @triton.jit
-def load_state(ptr, index, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, col0):
-    """[BK, BV] block of state `index` of a [*, K, V] tensor."""
-    r = tl.arange(0, BK)
+def load_state(ptr, index, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, col0,
+               key0=0):
+    """[BK, BV] block (key rows key0.., value columns col0..) of state `index` of a [*, K, V] tensor."""
+    r = key0 + tl.arange(0, BK)
     c = col0 + tl.arange(0, BV)
     mask = (r < K)[:, None] & (c < V)[None, :]
     return tl.load(ptr + index * K * V + r[:, None] * V + c[None, :], mask=mask, other=0.)
@@ -64,19 +65,6 @@ def decay_matrix(gam, C: tl.constexpr, STRICT: tl.constexpr):
     else:
         keep = i[:, None] >= i[None, :]
     return tl.exp(tl.where(keep, gam[:, None] - gam[None, :], float("-inf")))
-
-
-@triton.jit
-def chunk_gram(k, beta, gamma, chunk, hv, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-               C: tl.constexpr, BK: tl.constexpr):
-    """Keys, beta, gamma and A = strictLower(diag(beta) (K K^T o Gamma)) of one chunk and head."""
-    row0 = chunk * C
-    kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
-    b = tl.load(beta + (row0 + tl.arange(0, C)) * HV + hv).to(tl.float32)
-    gam, _ = load_gamma(gamma, row0, hv, Tp, C)
-    gram = tl.dot(kk, tl.trans(kk))
-    a = gram * decay_matrix(gam, C, True) * b[:, None]
-    return kk, b, gam, gram, a
 
 
 @triton.jit

@@ -49,9 +49,8 @@ def launch_fitting(kernel, grid: Callable[[dict], tuple], args: Sequence, settin
         return setting
     raise RuntimeError(f"{kernel.__name__}: none of the launch settings {settings} fits this device's "
                        f"shared memory (kernel, K, V, dtype, device = {key}); the smallest failed with: {error}. "
-                       f"The per-chunk backward kernels hold [64, K] tiles of the input dtype whole: with fp32 "
-                       f"inputs at K = 256 they need ~290-320 KB on sm_90 (tools/kernel_resources.py). Train "
-                       f"in bf16 autocast (train.dtype=bfloat16) or use gated_delta_rule(impl='chunk') there"
+                       f"tools/kernel_resources.py shows each kernel's need for a device; gated_delta_rule("
+                       f"impl='chunk') runs any shape"
                        ) from error
 
 
