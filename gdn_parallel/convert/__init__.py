@@ -4,7 +4,7 @@ our layout-free DCP checkpoints <-> flash-linear-attention `GatedDeltaNetForCaus
 checkpoint under another layout and checks that every tensor landed (reshard.py).
 
     __main__.py       the command line (gdn-convert)
-    commands.py       to_hf, from_hf, to_torch, from_torch, model_from_hf
+    commands.py       to_hf, from_hf, to_torch, from_torch, model_from_hf, model_from_checkpoint
     hf_format.py      fla's names and config.json, both ways, and what it cannot express
     safetensors_io.py .safetensors files and sharded folders, with torch alone
     dcp_io.py         reading and writing our checkpoints without a process group
@@ -15,7 +15,7 @@ checkpoint under another layout and checks that every tensor landed (reshard.py)
 
 docs/convert.md: the commands, the name map, what is refused, the reshard report.
 """
-from .commands import from_hf, from_torch, model_from_hf, to_hf, to_torch
+from .commands import from_hf, from_torch, model_from_checkpoint, model_from_hf, to_hf, to_torch
 from .errors import ConvertError
 
-__all__ = ["ConvertError", "from_hf", "from_torch", "model_from_hf", "to_hf", "to_torch"]
+__all__ = ["ConvertError", "from_hf", "from_torch", "model_from_checkpoint", "model_from_hf", "to_hf", "to_torch"]

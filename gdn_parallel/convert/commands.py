@@ -10,7 +10,7 @@ import dataclasses
 import json
 import pickle
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +31,8 @@ TORCH_KEYS = ("model", "config")   # a consolidated torch file: {"model": state 
 
 # ---------------------------------------------------------------------------- from our checkpoints
 def _checkpoint_model(path) -> tuple:
-    """(checkpoint, model config, model tensors) of a checkpoint, checked against each other."""
+    """(checkpoint, model config, model tensors, trainer state) of a checkpoint, checked against each
+    other."""
     checkpoint, tensors, saved = read_model(path)
     try:
         model = Config.from_dict({"model": saved["config"]["model"]}).model
@@ -39,12 +40,12 @@ def _checkpoint_model(path) -> tuple:
     except ConfigError as err:
         raise ConvertError(f"{checkpoint}: its config.model is not valid here: {err}") from None
     check_tensors(tensors, model, str(checkpoint))
-    return checkpoint, model, tensors
+    return checkpoint, model, tensors, saved
 
 
 def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHARD_SIZE) -> Path:
     max_bytes = parse_size(shard_size)
-    source, model, tensors = _checkpoint_model(checkpoint)
+    source, model, tensors, _ = _checkpoint_model(checkpoint)
     tensors = cast(tensors, dtype)
     config = hf_config(model, tensors[EMBEDDINGS].dtype)  # refuses what fla cannot express
     with new_directory(Path(out_dir)) as folder:
@@ -54,7 +55,7 @@ def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHAR
 
 
 def to_torch(checkpoint, out_file, dtype: str = KEEP) -> Path:
-    source, model, tensors = _checkpoint_model(checkpoint)
+    source, model, tensors, _ = _checkpoint_model(checkpoint)
     with new_file(Path(out_file)) as temporary:
         torch.save({"model": cast(tensors, dtype), "config": dataclasses.asdict(model)}, temporary)
     return source
@@ -115,6 +116,17 @@ def model_from_hf(hf_dir, device="cpu") -> HybridLM:
     model_config = source_model_config(read_hf_config(folder), str(folder / CONFIG_FILE))
     tensors = from_hf_tensors(read_folder(folder), model_config, str(folder))
     check_tensors(tensors, model_config, str(folder))
+    return _single_device_model(model_config, tensors, device)
+
+
+def model_from_checkpoint(checkpoint, device="cpu") -> Tuple[HybridLM, dict]:
+    """Our single-device model with a checkpoint's weights (saved under any layout), in their dtype,
+    and the trainer state saved with them (its "config" is the run's resolved config)."""
+    _, model_config, tensors, saved = _checkpoint_model(checkpoint)
+    return _single_device_model(model_config, tensors, device), saved
+
+
+def _single_device_model(model_config: ModelConfig, tensors: Dict[str, torch.Tensor], device) -> HybridLM:
     with torch.device("meta"):
         model = HybridLM(model_config)
     model.load_state_dict(tensors, strict=False, assign=True)  # tied: lm_head is the embedding, not a key
