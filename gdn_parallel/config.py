@@ -433,15 +433,17 @@ class ParallelConfig:
 
     def _validate_model(self, model: ModelConfig) -> None:
         tp = self.tp
-        checks = [("model.gdn_num_heads", model.gdn_num_heads), ("model.gdn_num_v_heads", model.num_v_heads),
-                  ("model.attn_num_heads", model.attn_num_heads), ("MLP width (model.intermediate_size)",
-                                                                    model.mlp_dim),
-                  ("model.vocab_size", model.vocab_size)]
+        # Only the heads of layers the model has are split: a pure GDN model has no attention heads.
+        has_gdn, has_attention = "G" in model.layer_types, any(t in model.layer_types for t in "SA")
+        checks = ([("model.gdn_num_heads", model.gdn_num_heads), ("model.gdn_num_v_heads", model.num_v_heads)]
+                  if has_gdn else [])
+        checks += [("model.attn_num_heads", model.attn_num_heads)] if has_attention else []
+        checks += [("MLP width (model.intermediate_size)", model.mlp_dim), ("model.vocab_size", model.vocab_size)]
         for name, value in checks:
             if value % tp:
                 raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; choose a tp that "
                                   f"divides it or change the model")
-        if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        if has_attention and model.num_kv_heads % tp and tp % model.num_kv_heads:
             raise ConfigError(f"model.attn_num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must "
                               f"divide the other (KV heads are split, or replicated when fewer than tp)")
         stages = self.pp * self.virtual_stages

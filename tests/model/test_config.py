@@ -181,6 +181,18 @@ def test_bad_input_fails_at_load_naming_the_field(overrides, field):
     assert field in str(info.value)
 
 
+def test_tp_splits_only_the_heads_of_layers_the_model_has():
+    """A pure GDN model has no attention heads to split, a pure attention model no GDN heads."""
+    pure_gdn = ["model.layer_pattern=G", "model.gdn_num_heads=8", "model.gdn_head_dim=16", "parallel.tp=8"]
+    Config.from_yaml(TINY, pure_gdn)  # validated on load
+    with pytest.raises(ConfigError, match="model.attn_num_heads=4 is not divisible by parallel.tp=8"):
+        Config.from_yaml(TINY, pure_gdn[1:])  # the same with the G/S hybrid: 4 attention heads
+    pure_attention = ["model.layer_pattern=A", "model.attn_num_heads=8", "parallel.tp=8"]
+    Config.from_yaml(TINY, pure_attention)  # 2 GDN heads, but no GDN layer
+    with pytest.raises(ConfigError, match="model.gdn_num_heads=2 is not divisible by parallel.tp=8"):
+        Config.from_yaml(TINY, pure_attention[1:])
+
+
 def test_bad_inputs_cover_every_field():
     named = {field for _, field in BAD_INPUTS}
     every = {f"{section}.{name}" for section, values in Config().to_dict().items() for name in values}
