@@ -35,7 +35,9 @@ from gdn_parallel.data import TokenBatches  # noqa: E402
 from gdn_parallel.data.passkey import PasskeySample, PasskeyTask, documents  # noqa: E402
 from gdn_parallel.data.prepared import describe_tokenizer, is_prepared_dir, read_metadata  # noqa: E402
 from gdn_parallel.data.text_tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
+from gdn_parallel.runtime.session import resolve_device  # noqa: E402
 from gdn_parallel.train.evaluation import position_buckets  # noqa: E402
+from gdn_parallel.train.optim import autocast_dtype  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- make-data
@@ -193,13 +195,16 @@ def evaluate_checkpoint(args) -> dict:
     if args.cp < 1 or any(n % args.cp for n in lengths):
         raise SystemExit(f"eval_niah.py: --cp {args.cp} must be >= 1 and divide every length in --lengths "
                          f"(CP shards are equal)")
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = resolve_device(args.device)  # the trainer's rule for train.device
+    except ConfigError as err:
+        raise SystemExit(f"eval_niah.py: --device {args.device}: {err}") from None
     try:
         model, saved = model_from_checkpoint(args.checkpoint, device)
     except (ConvertError, FileNotFoundError) as err:
         raise SystemExit(f"eval_niah.py: {err}") from None
     model.eval()
-    autocast = None if device.type == "cpu" or args.dtype == "float32" else getattr(torch, args.dtype)
+    autocast = autocast_dtype(args.dtype, device)
     config = saved.get("config", {})
     task = PasskeyTask(tokenizer_for(config, args.tokenizer))
     if min(lengths) < task.min_length():

@@ -19,6 +19,8 @@ from typing import List, Sequence
 
 import numpy as np
 
+from .text_tokenizer import ByteTokenizer
+
 KEY_DIGITS = 7
 # Plain, repetitive, and free of digits: nothing in the filler looks like the key.
 FILLER = ("Rain moved slowly over the quiet valley. A cart rolled down the long road to the market. "
@@ -86,7 +88,6 @@ class PasskeyTask:
 def documents(count: int, min_length: int, max_length: int, seed: int) -> List[str]:
     """`count` samples as text (UTF-8 byte length = tokens of the byte vocabulary), lengths uniform
     in [min_length, max_length], depths uniform: a training set for the task itself."""
-    from .text_tokenizer import ByteTokenizer
     task = PasskeyTask(ByteTokenizer())
     if min_length < task.min_length() or max_length < min_length:
         raise ValueError(f"lengths {min_length}..{max_length}: need {task.min_length()} <= min <= max")

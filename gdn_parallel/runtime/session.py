@@ -78,8 +78,8 @@ def _settle_collectives() -> None:
     A gloo worker drops a finished collective's tensors after the caller's wait() has returned, and
     dropping a tensor Python also knows needs the GIL. A worker still waiting for it when the
     interpreter finalizes is ended inside a noexcept frame and the process aborts ("terminate
-    called without an active exception", exit -6) after a run that succeeded: about one cp=2 CPU
-    job in six did. The barrier ends every rank's collectives; the pause hands the GIL over.
+    called without an active exception", exit -6) after a run that succeeded: 4 of 18 cp=2 CPU
+    jobs did. The barrier ends every rank's collectives; the pause hands the GIL over.
     Only on success: after an error a peer may never reach the barrier.
     """
     if dist.get_world_size() > 1:
