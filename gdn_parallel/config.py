@@ -41,7 +41,10 @@ MAX_CONV_SIZE = 8
 # Fields that were replaced, with what replaced them (a config naming one fails with this).
 RENAMED = {"parallel.microbatches": "set train.microbatch_size (sequences per forward/backward) instead; the "
                                     "micro-batches of a step, under pipeline parallelism too, are "
-                                    "train.batch_size / train.microbatch_size"}
+                                    "train.batch_size / train.microbatch_size",
+           "train.eval_batches": "set train.eval_rows (validation sequences per evaluation: one set, the same under "
+                                 "every layout) instead; eval_batches x batch_size is the number of rows one "
+                                 "process evaluated"}
 
 
 class ConfigError(ValueError):
@@ -142,7 +145,8 @@ TRAIN_RULES: Tuple[Rule, ...] = (
     ("seed", *_SEED_RULE),
     ("log_every", _at_least(1), "must be >= 1: steps between progress lines"),
     ("eval_every", _at_least(0), "must be >= 0: steps between evaluations (0: only at the end)"),
-    ("eval_batches", _at_least(1), "must be >= 1: validation batches per evaluation"),
+    ("eval_rows", _at_least(1),
+     "must be >= 1: validation sequences of train.seq_len tokens per evaluation (the same set under any layout)"),
     ("threads", _at_least(0), "must be >= 0: CPU threads for torch (0: torch's default)"),
     ("peak_tflops", _finite_at_least(0.0),
      "must be a number >= 0: one device's peak TFLOP/s for MFU (0: look it up)"),
@@ -350,7 +354,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 0          # 0: evaluate only at the end
-    eval_batches: int = 4
+    # validation sequences (of seq_len tokens) per evaluation: one fixed set, the same under every layout
+    eval_rows: int = 16
     device: str = "auto"
     dtype: str = "float32"
     threads: int = 0             # 0: leave torch's default

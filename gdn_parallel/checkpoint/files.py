@@ -3,23 +3,31 @@
     <train.out_dir>/checkpoints/step_<N>/        N = completed optimizer steps
         .metadata, *.distcp                       torch.distributed.checkpoint (model, optimizer)
         trainer_state.json                        step, data positions, config, layout (rank 0)
+        config.yaml                               the resolved config, to resume with
         rng_rank<r>.pt                            each rank's random generator states
         COMPLETE                                  written last, after every rank has finished
 
 A checkpoint is written under a temporary name (`step_<N>.partial`) and renamed once complete, so
 an interrupted save never looks like a checkpoint: `--resume auto` takes the newest `step_<N>` that
 holds COMPLETE and ignores everything else.
+
+A rollback (resuming an older checkpoint into the run's own out_dir) starts a new line of the run:
+the complete checkpoints past the resumed step belong to the abandoned line, and are moved to
+`checkpoints/abandoned/<time>/` (kept, never resumed by `--resume auto`, never pruned).
 """
 from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import List, Optional
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
+CONFIG_COPY = "config.yaml"
+ABANDONED = "abandoned"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -58,10 +66,9 @@ def latest_checkpoint(out_dir: str) -> Optional[Path]:
 
 
 def publish(out_dir: str, step: int) -> Path:
-    """Mark the partial checkpoint of `step` complete and give it its final name (rank 0, after every
-    rank has written). A checkpoint of the same step from an earlier run is replaced."""
+    """Give the sealed partial checkpoint of `step` its final name (rank 0, after every rank has
+    written). A checkpoint of the same step from an earlier run is replaced."""
     partial, final = partial_path(out_dir, step), final_path(out_dir, step)
-    (partial / COMPLETE).write_text("")
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
@@ -76,3 +83,22 @@ def prune(out_dir: str, keep: int) -> List[Path]:
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
     return old
+
+
+def set_aside_after(out_dir: str, step: int) -> List[Path]:
+    """Move the complete checkpoints of out_dir past `step` (an abandoned line, after a rollback to
+    `step`) to checkpoints/abandoned/<time>/; returns where they went (rank 0, before training)."""
+    later = [path for path in complete_checkpoints(out_dir) if int(path.name.split("_")[1]) > step]
+    if not later:
+        return []
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = checkpoints_dir(out_dir) / ABANDONED / stamp
+    suffix = 1
+    while target.exists():  # two rollbacks within a second
+        suffix += 1
+        target = checkpoints_dir(out_dir) / ABANDONED / f"{stamp}-{suffix}"
+    target.mkdir(parents=True)
+    moved = []
+    for path in later:
+        moved.append(Path(shutil.move(str(path), str(target / path.name))))
+    return moved

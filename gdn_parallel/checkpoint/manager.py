@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -22,6 +23,7 @@ from . import files
 from .state import apply_loaded, state_to_save, targets_to_load
 
 FORMAT_VERSION = 1
+LAYOUT_DEGREES = ("tp", "pp", "cp", "dp")
 
 
 def _rank() -> int:
@@ -54,6 +56,32 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def layout_record(config: Config, world: int) -> dict:
+    """trainer_state.json's `layout`: the parallel degrees of the `world` processes that wrote the
+    checkpoint (all 1 for one process, whatever degrees its config names)."""
+    pc = config.parallel
+    degrees = {name: getattr(pc, name) if world > 1 else 1 for name in LAYOUT_DEGREES}
+    return {"world_size": world, **degrees, "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
+
+
+def checkpoint_record(step: int, config: Config, world: int, data_stream: Dict[str, Any],
+                      **extra: Any) -> Dict[str, Any]:
+    """What trainer_state.json holds: the step (completed optimizer steps, hence the LR schedule's
+    position), the resolved config, the layout, the data stream's position, and any `extra` entries."""
+    return {"format_version": FORMAT_VERSION, "step": step, "config": config.to_dict(),
+            "layout": layout_record(config, world), "data": {"stream": data_stream}, **extra}
+
+
+def seal(directory: Path, record: Dict[str, Any], config: Config) -> None:
+    """Complete a checkpoint directory whose tensors are written: trainer_state.json, the config to
+    resume with (config.yaml), and COMPLETE last. The one writer of these files, for the trainer's
+    saves and the converters' checkpoints alike."""
+    directory = Path(directory)
+    (directory / files.TRAINER_STATE).write_text(json.dumps(record, indent=1))
+    (directory / files.CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
+    (directory / files.COMPLETE).write_text("")
+
+
 class CheckpointSaver:
     """Saves checkpoints of one run, synchronously or (async_save) in the background: an asynchronous
     save is published (renamed complete) once it has finished, at the latest by the next save or by
@@ -61,25 +89,38 @@ class CheckpointSaver:
 
     def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False):
         self.out_dir, self.keep, self.async_save = out_dir, keep, async_save
-        self._pending: Optional[Tuple[Any, int, dict]] = None   # (future, step, state) of an async save
+        self._pending: Optional[Tuple[Any, int, dict, Config]] = None   # an async save: future, step, record, config
         self.published: List[Path] = []
+        # An asynchronous save coordinates the ranks (plan gather, metadata, barrier) from a background
+        # thread while training goes on. On the training collectives' group the two threads' calls
+        # interleave differently on each rank: tp = 2 deadlocked, dp = 2 aborted with a gloo
+        # "collective mismatch". So it gets a group of its own, on gloo (it exchanges Python objects
+        # of staged CPU copies; also when training runs on NCCL). Every rank builds the saver, so
+        # every rank takes part in creating the group.
+        self._save_group = (dist.new_group(backend="gloo")
+                            if async_save and dist.is_initialized() and dist.get_world_size() > 1 else None)
 
-    def save(self, step: int, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims,
-             trainer_state: Dict[str, Any]) -> None:
-        """Write checkpoint `step` (completed optimizer steps). trainer_state: JSON-able, from every rank
-        (rank 0's is written; data positions should already be gathered into it)."""
+    def save(self, step: int, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims, config: Config,
+             data_stream: Dict[str, Any], **extra: Any) -> None:
+        """Write checkpoint `step` (completed optimizer steps) of the run `config` describes.
+        data_stream: the stream's position (the same on every rank); extra: more trainer_state.json entries."""
         self.finish()  # one save in flight at a time
         partial = files.partial_path(self.out_dir, step)
         if _rank() == 0:
-            partial.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # an earlier, interrupted save of this step: none of its files may stay
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
         _barrier()
         torch.save(rng_state(), partial / f"rng_rank{_rank()}.pt")
         state = state_to_save(named_params, optimizer, dims)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        record = checkpoint_record(step, config, world, data_stream, **extra)
         if self.async_save:
-            self._pending = (dcp.async_save(state, checkpoint_id=str(partial)), step, trainer_state)
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group)
+            self._pending = (future, step, record, config)
             return
         dcp.save(state, checkpoint_id=str(partial))
-        self._publish(step, trainer_state)
+        self._publish(step, record, config)
 
     def poll(self) -> None:
         """Publish a finished asynchronous save (cheap; call once per step). Every rank must call it at
@@ -94,17 +135,15 @@ class CheckpointSaver:
     def finish(self) -> None:
         if self._pending is None:
             return
-        future, step, trainer_state = self._pending
+        future, step, record, config = self._pending
         future.result()
         self._pending = None
-        self._publish(step, trainer_state)
+        self._publish(step, record, config)
 
-    def _publish(self, step: int, trainer_state: Dict[str, Any]) -> None:
+    def _publish(self, step: int, record: Dict[str, Any], config: Config) -> None:
         _barrier()  # every rank's tensors and RNG file are on disk
         if _rank() == 0:
-            partial = files.partial_path(self.out_dir, step)
-            state = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
-            (partial / files.TRAINER_STATE).write_text(json.dumps(state, indent=1))
+            seal(files.partial_path(self.out_dir, step), record, config)
             self.published.append(files.publish(self.out_dir, step))
             files.prune(self.out_dir, self.keep)
         _barrier()

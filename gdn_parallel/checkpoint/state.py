@@ -49,6 +49,8 @@ def _slots(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> Iterator[Tu
 def state_to_save(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optional[torch.optim.Optimizer],
                   dims) -> Dict[str, torch.Tensor]:
     """This rank's part of the checkpoint: every parameter and optimizer slot in layout-free form."""
+    if optimizer is not None:
+        _check_optimizer_covers(named_params, optimizer)
     tp_mesh = _tp_mesh(dims)
     state: Dict[str, torch.Tensor] = {}
     for name, param in named_params:
@@ -59,6 +61,20 @@ def state_to_save(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optio
                 value = value if scalar else _layout_free(_gathered(value), param, tp_mesh)
                 state[f"{OPTIM}{name}.{slot}"] = value
     return state
+
+
+def _check_optimizer_covers(named_params: List[Tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
+    """Once the optimizer has stepped, every parameter saved must be one it holds state for: a
+    parameter object it does not know (FSDP2's unsharded form left exposed, say) would leave its
+    slots out of the checkpoint, which could then never be resumed. Fail the save instead."""
+    if not optimizer.state:
+        return  # before the first step: no slots anywhere
+    unknown = [name for name, param in named_params if not optimizer.state.get(param)]
+    if unknown:
+        raise RuntimeError(f"no optimizer state for {len(unknown)} parameter(s) being saved ({', '.join(unknown[:4])}"
+                           f"{', ...' if len(unknown) > 4 else ''}): the module exposes other tensors than the "
+                           f"optimizer's parameters (an FSDP2 module left unsharded?); the checkpoint would "
+                           f"not resume, so it is not written")
 
 
 def targets_to_load(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optional[torch.optim.Optimizer],

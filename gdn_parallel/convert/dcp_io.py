@@ -4,13 +4,13 @@ Reading: the tensor entries of the DCP metadata become empty tensors of their gl
 `dcp.load(..., no_dist=True)` fills (public API in torch 2.11 to 2.14; DCP assembles the pieces any
 layout wrote). Writing a checkpoint made from weights alone (from-hf, from-torch): the model tensors
 under `model.<name>`, AdamW slots as a fresh optimizer has them after no step (zero moments, step 0:
-the first update is exactly a fresh AdamW's), trainer_state.json at step 0 with the config, the
-layout of one process and the data stream at its start, and COMPLETE, all under a temporary name.
+the first update is exactly a fresh AdamW's), and the trainer's own record of a checkpoint at step 0
+(checkpoint.manager.seal: the config, the layout of one process, the data stream at its start), all
+under a temporary name.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
@@ -22,15 +22,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checkpoint import latest_checkpoint, read_trainer_state
 from ..checkpoint.files import CHECKPOINTS, COMPLETE, TRAINER_STATE, is_complete
-from ..checkpoint.manager import FORMAT_VERSION
+from ..checkpoint.manager import checkpoint_record, seal
 from ..checkpoint.state import MODEL, OPTIM
 from ..config import Config
 from .atomic import new_directory
 from .errors import ConvertError
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
-CONFIG_COPY = "config.yaml"   # the config to resume with, beside trainer_state.json
-DEGREES = ("tp", "pp", "cp", "dp")
 
 
 @contextlib.contextmanager
@@ -121,27 +119,15 @@ def fresh_optimizer_slots(model_tensors: Dict[str, torch.Tensor]) -> Dict[str, t
     return slots
 
 
-def layout_record(config: Config, world: int) -> dict:
-    """The `layout` entry of trainer_state.json (the trainer's form): the degrees `world` processes
-    ran under (all 1 for one process)."""
-    pc = config.parallel
-    degrees = {name: getattr(pc, name) if world > 1 else 1 for name in DEGREES}
-    return {"world_size": world, **degrees, "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
-
-
 def write_checkpoint(out: Path, model_tensors: Dict[str, torch.Tensor], config: Config, data_stream: dict,
                      source: Optional[dict] = None) -> Path:
-    """A step-0 checkpoint at `out` that the trainer resumes from under any layout."""
+    """A step-0 checkpoint at `out` that the trainer resumes from under any layout (its files beside
+    the tensors are written by the trainer's own writer, checkpoint.manager.seal)."""
     state = {f"{MODEL}{name}": tensor for name, tensor in model_tensors.items()}
     state.update(fresh_optimizer_slots(model_tensors))
+    record = checkpoint_record(0, config, 1, data_stream, **({"converted_from": source} if source else {}))
     with new_directory(Path(out)) as partial:
         with _one_process():
             dcp.save(state, storage_writer=FileSystemWriter(str(partial)), no_dist=True)
-        trainer_state = {"format_version": FORMAT_VERSION, "step": 0, "config": config.to_dict(),
-                         "layout": layout_record(config, 1), "data": {"stream": data_stream}}
-        if source:
-            trainer_state["converted_from"] = source
-        (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-        (partial / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
-        (partial / COMPLETE).write_text("")
+        seal(partial, record, config)
     return Path(out)

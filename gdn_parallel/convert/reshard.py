@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint import CheckpointSaver, load_checkpoint, read_trainer_state
-from ..checkpoint.files import final_path
+from ..checkpoint.files import CONFIG_COPY, final_path
+from ..checkpoint.manager import LAYOUT_DEGREES, layout_record
 from ..checkpoint.state import MODEL, OPTIM
 from ..config import Config, ConfigError, parse_override
 from ..model import build_model
@@ -27,7 +28,7 @@ from ..parallel.mesh import MESH_DIMS, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
 from ..runtime.session import is_launched, process_group
-from .dcp_io import DEGREES, layout_record, read_tensors, resolve_checkpoint, tensor_entries
+from .dcp_io import read_tensors, resolve_checkpoint, tensor_entries
 from .errors import ConvertError
 
 MISMATCH_EXIT = 1
@@ -39,7 +40,7 @@ def layout_config(saved_config: dict, layout: str) -> Config:
     items = [item.strip() for item in layout.split(",") if item.strip()]
     if not items:
         raise ConvertError("--layout is empty; give the degrees, e.g. --layout tp=2,pp=2,cp=1,dp=1")
-    overrides = [f"parallel.{name}=1" for name in DEGREES]
+    overrides = [f"parallel.{name}=1" for name in LAYOUT_DEGREES]
     for item in items:
         parse_override(f"parallel.{item}")  # names the field when it is not a parallel one
         overrides.append(f"parallel.{item}")
@@ -107,7 +108,7 @@ def _reshard(source: Path, saved: dict, config: Config, device, out_dir, report,
 
     saved_to = None
     if ok and out_dir:
-        saved_to = _save_again(out_dir, saved, config, world, named, optimizer, dims)
+        saved_to = _save_again(out_dir, source, saved, config, named, optimizer, dims)
     if rank == 0:
         summary = {"ok": ok, "checkpoint": str(source), "step": saved.get("step"),
                    "layout": layout_record(config, world), "tensors_checked": sum(r["tensors"] for r in everyone),
@@ -123,7 +124,7 @@ def _reshard(source: Path, saved: dict, config: Config, device, out_dir, report,
 
 
 def _layout_text(config: Config) -> str:
-    return ",".join(f"{name}={getattr(config.parallel, name)}" for name in DEGREES)
+    return ",".join(f"{name}={getattr(config.parallel, name)}" for name in LAYOUT_DEGREES)
 
 
 def _held_tensors(named, optimizer) -> Dict[str, tuple]:
@@ -161,9 +162,16 @@ def _compare(key: str, value: torch.Tensor, param, full: torch.Tensor, dims) -> 
     return []
 
 
-def _save_again(out_dir: str, saved: dict, config: Config, world: int, named, optimizer, dims) -> str:
+def _save_again(out_dir: str, source: Path, saved: dict, config: Config, named, optimizer, dims) -> str:
+    """The checkpoint again, written from this layout as the trainer writes one: a run directory
+    `out_dir` (its config.yaml: the config under this layout, with out_dir its own) holding
+    checkpoints/step_<N>, whose trainer_state.json records this layout and the saved data position."""
     step = int(saved.get("step", 0))
-    trainer_state = {"config": config.to_dict(), "layout": layout_record(config, world),
-                     "data": saved.get("data", {})}
-    CheckpointSaver(out_dir).save(step, named, optimizer, dims, trainer_state)
+    config = Config.from_dict(config.to_dict())
+    config.train.out_dir = str(out_dir)
+    if dist.get_rank() == 0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
+    CheckpointSaver(out_dir).save(step, named, optimizer, dims, config, saved.get("data", {}).get("stream", {}),
+                                  resharded_from=str(source))
     return str(final_path(out_dir, step))

@@ -97,12 +97,28 @@ class ParallelModel:
                         total = loss_sum if total is None else total + loss_sum
         finally:
             module.train(was_training)
+            self._reshard()
         return float(self._global_loss(total)), count
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.parameters(), max_norm, self.dims)
 
     # ------------------------------------------------------------------ internals
+    def _reshard(self) -> None:
+        """Put FSDP2 parameters back into their sharded form after a forward without backward.
+
+        FSDP2 keeps a root module's parameters unsharded after its forward (the backward would
+        gather them again at once); with no backward they stay so, and the module then exposes
+        the unsharded tensors instead of the sharded parameters the optimizer holds. A checkpoint
+        taken then lacked the optimizer state of the root's parameters (embeddings, final norm,
+        lm_head) and could not be resumed."""
+        from torch.distributed.fsdp import FSDPModule
+        roots = [self.model, *(self.runner.stage_modules if self.runner is not None else [])]
+        for root in roots:
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def _shard(self, row):
         if self.config.cp == 1:
             return row

@@ -16,7 +16,6 @@ Returns a summary dict: first_loss, final_loss, val_loss, steps, tokens_per_s, l
 """
 from __future__ import annotations
 
-import itertools
 import math
 import signal
 import threading
@@ -27,8 +26,11 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
+from ..checkpoint.files import CONFIG_COPY, final_path, set_aside_after
+from ..checkpoint.manager import layout_record
 from ..config import Config, ConfigError
 from ..data import TokenBatches, check_vocabulary, load_dataset
+from ..data.validation import validation_set
 from ..model import HybridLM, build_model
 from ..ops.triton_dispatch import check_kernel_config
 from ..parallel.mesh import build_mesh
@@ -113,9 +115,6 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     # any layout (gdn_parallel/data/stream.py).
     batches = TokenBatches.from_config(config.data, train.seq_len, train.microbatch_rows,
                                        dp_rank=dims.rank("dp"), dp_size=pc.dp, dataset=dataset)
-    # Every replica evaluates the whole validation set: the same steps on every rank (collectives), and
-    # the global mean is unchanged by counting each token once per replica.
-    val_steps = _validation_steps(dataset, config, device)
     tokens_per_step = train.batch_size * train.seq_len * pc.dp
 
     say(f"data  | {dataset.describe()}")
@@ -128,22 +127,25 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     say(f"train | device {device} | dtype {train.dtype} | threads {torch.get_num_threads()} | "
         f"{train.steps} steps x {train.batch_size} x {train.seq_len} tokens | lr {train.lr:g} "
         f"warmup {train.warmup_steps}")
+    # The replicas share one fixed validation set, as they share a training batch.
+    val_steps = _validation_steps(dataset, config, dims.rank("dp"), device, say)
     if train.out_dir and is_main:
         Path(train.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(train.out_dir) / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        (Path(train.out_dir) / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
 
     start_step = 0
     checkpoint = resolve_resume(resume, train.out_dir)
     if resume and checkpoint is None:
         say(f"resume | no checkpoint under {train.out_dir}/checkpoints yet: starting from step 0")
     if checkpoint is not None:
+        here = layout_record(config, world)
         saved = load_checkpoint(checkpoint, parallel.named_parameters(), optimizer, dims, config,
-                                same_layout=lambda s: s.get("layout") == _layout(config, world))
+                                same_layout=lambda s: s.get("layout") == here)
         start_step = int(saved["step"])
         batches.load_state_dict(saved["data"]["stream"])
-        say(f"resume | {checkpoint} | step {start_step}" + ("" if saved.get("layout") == _layout(config, world)
+        say(f"resume | {checkpoint} | step {start_step}" + ("" if saved.get("layout") == here
                                                            else f" | saved under {saved.get('layout')}"))
-
+        _roll_back(train.out_dir, start_step, say)
     saver = (CheckpointSaver(train.out_dir, config.checkpoint.keep, config.checkpoint.async_save)
              if config.checkpoint.enabled and train.out_dir else None)
     logger = ProgressLogger(train.steps, train.log_every, tokens_per_step, device,
@@ -192,7 +194,7 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
                 interval = config.checkpoint.interval
                 if last or stopping or (interval and (step + 1) % interval == 0):
                     with logger.paused():
-                        _save(saver, step + 1, parallel, optimizer, dims, config, world, batches, logger, say)
+                        _save(saver, step + 1, parallel, optimizer, dims, config, batches, logger, say)
             if stopping:
                 say(f"stop  | a stop was asked for: ended after step {step} "
                     + ("with a checkpoint" if saver is not None else "(no train.out_dir: no checkpoint)"))
@@ -208,16 +210,20 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
                     device, say)
 
 
-def _validation_steps(dataset, config: Config, device: torch.device) -> List[list]:
-    """train.eval_batches validation steps of rows (fixed: the same every evaluation), on the
-    training device once, like the training micro-batches each step."""
-    train = config.train
+def _validation_steps(dataset, config: Config, dp_rank: int, device: torch.device, say) -> List[list]:
+    """This replica's share of the fixed validation set (train.eval_rows rows, the same under every
+    layout: data/validation.py), on the training device once, like the training micro-batches."""
+    train, data = config.train, config.data
     if len(dataset.val) == 0:
         return []
-    rows = TokenBatches.from_config(config.data, train.seq_len, train.microbatch_rows, split="val",
-                                    dataset=dataset, epochs=1, drop_last=False)
-    micro = [row.to(device) for row in itertools.islice(rows, train.eval_batches * train.microbatches)]
-    return [micro[i:i + train.microbatches] for i in range(0, len(micro), train.microbatches)]
+    found = validation_set(dataset.val, train.seq_len, train.eval_rows, rows_per_micro_batch=train.microbatch_rows,
+                           micro_batches=train.microbatches, dp_rank=dp_rank, dp_size=config.parallel.dp,
+                           seed=data.seed, packing=data.packing)
+    say(f"eval  | {found.rows} rows x {train.seq_len} tokens ({found.tokens:,} tokens) every "
+        + (f"{train.eval_every} steps and " if train.eval_every else "") + "at the end"
+        + (f" | the validation split holds only {found.split_tokens:,} tokens (train.eval_rows={train.eval_rows} "
+           f"asks for {train.eval_rows * train.seq_len:,}): all of them" if found.capped else ""))
+    return [[row.to(device) for row in step] for step in found.steps]
 
 
 def _skip(logger, say, step, loss, grad_norm, in_row: int, limit: int) -> None:
@@ -231,19 +237,23 @@ def _skip(logger, say, step, loss, grad_norm, in_row: int, limit: int) -> None:
             f"with --resume auto")
 
 
-def _layout(config: Config, world: int) -> dict:
-    pc = config.parallel
-    return {"world_size": world, "tp": pc.tp, "pp": pc.pp, "cp": pc.cp, "dp": pc.dp,
-            "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
+def _roll_back(out_dir: str, step: int, say) -> None:
+    """Resuming step `step` where later checkpoints exist starts a new line of the run: the later
+    ones are moved aside (named), so that neither --resume auto nor pruning mistakes them for it."""
+    if not out_dir:
+        return
+    moved = set_aside_after(out_dir, step) if dist.get_rank() == 0 else []
+    if moved:
+        say(f"resume | rolled back to step {step}: the later checkpoint(s) {', '.join(p.name for p in moved)} "
+            f"of the abandoned line moved to {moved[0].parent}")
+    if dist.get_world_size() > 1:
+        dist.barrier()  # no rank saves into checkpoints/ while rank 0 moves them
 
 
-def _save(saver, completed: int, parallel, optimizer, dims, config: Config, world: int, batches, logger,
-          say) -> None:
+def _save(saver, completed: int, parallel, optimizer, dims, config: Config, batches, logger, say) -> None:
     # The stream's position is the same on every rank: the global token count consumed.
-    trainer_state = {"config": config.to_dict(), "layout": _layout(config, world),
-                     "data": {"stream": batches.state_dict()}}
-    saver.save(completed, parallel.named_parameters(), optimizer, dims, trainer_state)
-    where = f"{config.train.out_dir}/checkpoints/step_{completed}"
+    saver.save(completed, parallel.named_parameters(), optimizer, dims, config, batches.state_dict())
+    where = str(final_path(config.train.out_dir, completed))
     say(f"save  | {where}" + (" (writing in the background)" if config.checkpoint.async_save else ""))
     logger.record({"step": completed - 1, "checkpoint": where})
 

@@ -20,7 +20,7 @@ from gdn_parallel.train.__main__ import run
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "train.batch_size=2",
-        "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=1"]
+        "--set", "train.log_every=1", "--set", "train.eval_rows=2", "--set", "train.warmup_steps=1"]
 
 
 def losses_by_step(out_dir: Path) -> dict:

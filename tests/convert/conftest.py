@@ -9,7 +9,7 @@ from gdn_parallel.convert.dcp_io import read_tensors, resolve_checkpoint, tensor
 from gdn_parallel.train.__main__ import run
 
 TRAIN = ["--steps", "1", "--set", "train.seq_len=32", "--set", "train.batch_size=1", "--set",
-         "train.eval_batches=1", "--set", "train.warmup_steps=0", "--set", "train.log_every=1", "--set",
+         "train.eval_rows=2", "--set", "train.warmup_steps=0", "--set", "train.log_every=1", "--set",
          "model.hidden_size=32", "--set", "model.gdn_head_dim=8"]
 # G, S and A layers: grouped KV heads, q/k/v biases, tied embeddings
 HYBRID = {"model.n_layers": 3, "model.layer_pattern": "GSA", "model.attn_num_heads": 4,

@@ -9,7 +9,7 @@ from gdn_parallel.data import TokenBatches
 from gdn_parallel.train.__main__ import run
 
 SHORT_RUN = ["--steps", "1", "--set", "train.seq_len=32", "--set", "train.batch_size=1", "--set",
-             "train.eval_batches=1", "--set", "train.warmup_steps=0", "--set", "train.log_every=1"]
+             "train.eval_rows=2", "--set", "train.warmup_steps=0", "--set", "train.log_every=1"]
 
 
 def test_the_trainer_resumes_from_a_converted_folder(hybrid_checkpoint, tmp_path):

@@ -20,7 +20,7 @@ LAUNCH = REPO / "launch"
 SCRIPTS = ["torchrun.sh", "deepspeed.sh", "mpirun.sh", "slurm.sbatch"]
 # The tiny config in 2 data-parallel processes, one GDN layer, 3 steps.
 TINY = ["--steps", "3", *(arg for field in ("parallel.dp=2", "model.n_layers=1", "model.layer_pattern=G",
-                                            "train.seq_len=64", "train.batch_size=2", "train.eval_batches=1",
+                                            "train.seq_len=64", "train.batch_size=2", "train.eval_rows=2",
                                             "train.log_every=1") for arg in ("--set", field))]
 RUN_TIMEOUT_S = 300
 

@@ -58,7 +58,7 @@ def test_split_batch_gives_the_same_gradients_and_update(group_of_one):
 
 def test_training_loop_losses_match_with_and_without_accumulation():
     base = ["model.n_layers=2", "train.steps=3", "train.warmup_steps=1", "train.log_every=1",
-            "train.batch_size=4", "train.seq_len=64", "train.eval_batches=1"]
+            "train.batch_size=4", "train.seq_len=64", "train.eval_rows=2"]
     losses = {}
     for micro in (0, 2):
         config = Config().with_overrides(base + [f"train.microbatch_size={micro}"]).validate()

@@ -12,7 +12,7 @@ from gdn_parallel.train.__main__ import run
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = ["--steps", "3", "--set", "train.log_every=1", "--set", "train.seq_len=128",
-         "--set", "train.batch_size=2", "--set", "train.eval_batches=1"]
+         "--set", "train.batch_size=2", "--set", "train.eval_rows=2"]
 
 
 def torchrun_losses(overrides, nproc=2):

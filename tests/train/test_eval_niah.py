@@ -128,7 +128,7 @@ def passkey_run(tmp_path_factory):
     assert main(["make-data", "--out", str(root / "data"), "--docs", "40", "--min-length", "140",
                  "--max-length", "256"]) == 0
     run(["--steps", "2", "--set", f"data.source={root / 'data'}", "--set", "train.seq_len=256",
-         "--set", "train.batch_size=1", "--set", "train.warmup_steps=0", "--set", "train.eval_batches=1",
+         "--set", "train.batch_size=1", "--set", "train.warmup_steps=0", "--set", "train.eval_rows=2",
          "--set", "model.hidden_size=32", "--set", "model.gdn_head_dim=8", "--set", "data.val_fraction=0.2",
          "--set", f"train.out_dir={root / 'run'}"])
     return root

@@ -11,7 +11,7 @@ from gdn_parallel.parallel.parallelize import ParallelModel
 from gdn_parallel.train.__main__ import run
 
 BASE = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "train.batch_size=2",
-        "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=1"]
+        "--set", "train.log_every=1", "--set", "train.eval_rows=2", "--set", "train.warmup_steps=1"]
 
 
 def poison_steps(monkeypatch, bad: set):

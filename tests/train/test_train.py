@@ -24,7 +24,7 @@ LINE = re.compile(r"^step \d+/\d+ \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| gr
 
 def test_main_trains_20_steps_and_loss_falls(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default config is found through the repository root
-    assert main(["--steps", "20", "--set", "train.log_every=5", "--set", "train.eval_batches=1",
+    assert main(["--steps", "20", "--set", "train.log_every=5", "--set", "train.eval_rows=2",
                  "--set", "train.batch_size=2",
                  "--set", f"train.out_dir={tmp_path / 'run'}"]) == 0
     out = capsys.readouterr().out
@@ -107,7 +107,7 @@ def test_progress_line_format():
 def test_python_dash_m_entry_point(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "gdn_parallel.train", "--steps", "2",
-                           "--set", "train.eval_batches=1", "--set", "model.n_layers=2"],
+                           "--set", "train.eval_rows=2", "--set", "model.n_layers=2"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "step 0/2" in proc.stdout and "step 1/2" in proc.stdout and "val_loss" in proc.stdout
@@ -117,7 +117,7 @@ def test_run_training_returns_summary():
     from gdn_parallel.train import run_training
     config = Config.from_yaml(REPO / "configs" / "tiny-cpu.yaml", [
         "train.steps=3", "train.warmup_steps=1", "train.seq_len=64", "model.n_layers=2",
-        "train.eval_batches=1", "train.eval_every=2"])
+        "train.eval_rows=2", "train.eval_every=2"])
     printed = []
     summary = run_training(config, print_fn=printed.append)
     assert {"first_loss", "final_loss", "val_loss", "steps", "tokens_per_s"} <= set(summary)
@@ -143,9 +143,9 @@ def test_validation_rows_are_on_the_training_device():
     GPU here: every tensor of every row must be on the device given."""
     from gdn_parallel.data import load_dataset
     from gdn_parallel.train.trainer import _validation_steps
-    config = load_config(build_parser().parse_args(["--set", "train.eval_batches=2"]))
-    steps = _validation_steps(load_dataset(config.data), config, torch.device("meta"))
+    config = load_config(build_parser().parse_args(["--set", "train.eval_rows=8"]))
+    steps = _validation_steps(load_dataset(config.data), config, 0, torch.device("meta"), lambda line: None)
     rows = [row for step in steps for row in step]
-    assert len(steps) == 2 and rows
+    assert len(steps) == 2 and rows  # 8 rows in batches of train.batch_size=4
     assert all(t.device.type == "meta" for row in rows
                for t in (row.input_ids, row.labels, row.position_ids, row.cu_seqlens))
