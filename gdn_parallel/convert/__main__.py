@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     reshard.add_argument("--layout", required=True, metavar="tp=T,pp=P,cp=C,dp=D",
                          help="degrees (those not named are 1) and any other parallel.* field")
     reshard.add_argument("--out", default=None, metavar="DIR",
-                         help="save it again from this layout into DIR/checkpoints/step_<N>")
+                         help="save it again from this layout into DIR/checkpoints/step_<N>, with DIR/config.yaml "
+                              "to resume it (train.batch_size per replica rescaled to keep the global batch)")
+    reshard.add_argument("--set", **{**override, "help": "with --out: a train/checkpoint/log field of the written "
+                                                         "config.yaml, e.g. --set train.microbatch_size=1"})
     reshard.add_argument("--report", default="reshard_report.json", metavar="FILE",
                          help="the JSON report rank 0 writes (default ./reshard_report.json)")
     return parser
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
               f"resume with: gdn-train --config {out}/config.yaml --set train.out_dir=RUN_DIR --resume {out}")
     else:
         from .reshard import reshard
-        return reshard(args.checkpoint, args.layout, args.out, args.report)
+        return reshard(args.checkpoint, args.layout, args.out, args.report, overrides=args.overrides)
     return 0
 
 

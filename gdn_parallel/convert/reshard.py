@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,11 +50,44 @@ def layout_config(saved_config: dict, layout: str) -> Config:
     return config
 
 
+def run_config(config: Config, saved_dp: int, overrides: List[str]) -> Tuple[Config, List[str]]:
+    """The config `--out` writes: the run under the new layout, with the same global batch (train.batch_size
+    is per data-parallel replica, so it is rescaled when dp changes) and `overrides` of non-model fields;
+    refused, naming the fix, when it would not train as written. Returns it and what was changed."""
+    train, notes = config.train, []
+    rows = train.batch_size * saved_dp
+    if config.parallel.dp != saved_dp and not any(o.strip().startswith("train.batch_size=") for o in overrides):
+        if rows % config.parallel.dp:
+            raise ConvertError(f"the run's global batch of {rows} rows (train.batch_size={train.batch_size} x dp="
+                               f"{saved_dp}) does not split over parallel.dp={config.parallel.dp} replicas; choose a "
+                               f"dp that divides {rows}, or give --set train.batch_size=N (rows per replica)")
+        notes.append(f"reshard | train.batch_size {train.batch_size} -> {rows // config.parallel.dp} rows per "
+                     f"replica: the global batch stays {rows} rows")
+        config = config.with_overrides([f"train.batch_size={rows // config.parallel.dp}"])
+    for item in overrides:
+        if parse_override(item)[0] not in ("train", "checkpoint", "log"):
+            raise ConvertError(f"--set {item}: reshard --out sets train, checkpoint and log fields only (the model "
+                               f"and data are the checkpoint's, the layout is --layout)")
+    config = config.with_overrides(list(overrides))
+    try:
+        config.train.validate()
+        config.parallel.validate(config.model, config.train)
+    except ConfigError as err:
+        raise ConvertError(f"the config.yaml --out would write does not train under this layout: {err} (give it "
+                           f"with --set, e.g. --set train.microbatch_size=1)") from None
+    return config, notes
+
+
 def reshard(checkpoint, layout: str, out_dir: Optional[str] = None, report: str = "reshard_report.json",
-            print_fn=print) -> int:
+            print_fn=print, overrides: Sequence[str] = ()) -> int:
     source = resolve_checkpoint(checkpoint)
     saved = read_trainer_state(source)
     config = layout_config(saved.get("config", {}), layout)
+    if overrides and not out_dir:
+        raise ConvertError("--set changes the config --out writes: give --out DIR too")
+    notes: List[str] = []
+    if out_dir:
+        config, notes = run_config(config, int(saved.get("layout", {}).get("dp", 1)), list(overrides))
     world = config.parallel.world_size
     if world > 1 and not dist.is_initialized() and not is_launched():
         raise ConvertError(f"--layout {layout} needs {world} processes: run under torchrun "
@@ -65,6 +98,9 @@ def reshard(checkpoint, layout: str, out_dir: Optional[str] = None, report: str 
         if dist.get_world_size() != world:
             raise ConfigError(f"--layout {layout} needs {world} processes, the job has {dist.get_world_size()}; "
                               f"launch with torchrun --nproc_per_node={world}")
+        if dist.get_rank() == 0:
+            for note in notes:
+                print_fn(note)
         return _reshard(source, saved, config, device, out_dir, report, print_fn)
 
 

@@ -116,19 +116,29 @@ def _apply_fsdp(module, dims, param_dtype, reduce_dtype):
 
 def _sum_allreduce_hook(state, bucket):
     """DDP comm hook: all-reduce the bucket with SUM (the default hook divides by the group size),
-    in `reduce_dtype` when one is given; asynchronous like the default."""
+    in `reduce_dtype` when one is given; asynchronous like the default.
+
+    Over more than two ranks each parameter's gradient is reduced on its own. DDP rebuilds its
+    buckets after its first step (in the order gradients became ready), so a resumed run's first
+    step has other buckets than the uninterrupted run's; an all-reduce's summation order over 3+
+    ranks depends on where an element sits in the buffer, so whole-bucket reductions made the
+    resumed run differ in the last bits (seen at dp2 x cp2). Per parameter, the order depends on
+    the parameter alone: a resume is bit for bit. Two ranks add two numbers, in any order the same."""
     group, reduce_dtype = state
     buffer = bucket.buffer()
-    send = buffer if reduce_dtype is None or reduce_dtype == buffer.dtype else buffer.to(reduce_dtype)
-    future = dist.all_reduce(send, group=group, async_op=True).get_future()
+    # Views of the buffer, one per gradient (in the buffer's order); any split of it sums correctly.
+    pieces = ([buffer] if dist.get_world_size(group) <= 2
+              else list(torch.split(buffer, [g.numel() for g in bucket.gradients()])))
+    sends = [p if reduce_dtype is None or reduce_dtype == p.dtype else p.to(reduce_dtype) for p in pieces]
+    futures = [dist.all_reduce(send, group=group, async_op=True).get_future() for send in sends]
 
-    def done(fut):
-        out = fut.value()[0]
-        if out is not buffer:
-            buffer.copy_(out)
+    def done(_fut):
+        for piece, send in zip(pieces, sends):
+            if send is not piece:  # reduced in reduce_dtype
+                piece.copy_(send)
         return buffer
 
-    return future.then(done)
+    return torch.futures.collect_all(futures).then(done)
 
 
 def _apply_ddp(module, dims, reduce_dtype):

@@ -8,9 +8,11 @@ train.seq_len tokens) go through `ParallelModel.train_step` (forward + backward,
 over every mesh dimension), the global gradient norm is clipped, and AdamW steps, unless the loss or
 the gradient norm is not finite: then the step is skipped (nothing applied) and counted, and
 train.max_skipped_steps of them in a row stop the run. Validation (every train.eval_every steps and
-at the end) runs under the same layout. Checkpoints go to <train.out_dir>/checkpoints/step_<N>/
-(checkpoint.interval, always after the last step, and when SIGTERM or SIGINT asks the run to stop:
-the step in flight finishes, a checkpoint is saved and the run ends normally).
+at the end, on train.eval_rows fixed rows) runs under the same layout. Checkpoints go to
+<train.out_dir>/checkpoints/step_<N>/ (checkpoint.interval, always after the last step, and when
+SIGTERM or SIGINT asks the run to stop: the step in flight finishes, a checkpoint is saved at once,
+without an evaluation, and the run ends normally). Resuming an older checkpoint into its own out_dir
+moves the later ones aside (checkpoint/files.py).
 
 Returns a summary dict: first_loss, final_loss, val_loss, steps, tokens_per_s, losses, ...
 """
@@ -184,7 +186,9 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
                 logger.step(step, loss, lr, grad_norm)
             last = step == train.steps - 1
             stopping = stop.agreed(device) and not last
-            if val_steps and (last or stopping or (train.eval_every and (step + 1) % train.eval_every == 0)):
+            # A stop goes straight to its checkpoint: a scheduler's SIGKILL follows its SIGTERM within a
+            # grace period (torchrun's and Slurm's default: 30 s) that an evaluation would only shorten.
+            if val_steps and not stopping and (last or (train.eval_every and (step + 1) % train.eval_every == 0)):
                 with logger.paused():  # evaluation time is not training throughput
                     result = evaluate(parallel, val_steps, train.seq_len, amp_dtype)
                     val_loss = result["val_loss"]

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 -m gdn_parallel.verify --config configs/tiny-cpu.yaml
     gdn-verify [--config PATH] [--set section.field=value ...] [--layouts tp2,cp2 [pp=2,dp=2,ddp ...]]
                [--steps 1] [--dtype fp32|bf16] [--seq-len N] [--rows 2] [--tolerance X] [--json PATH] [--list]
+               [--checkpoint]
 
 Every layout of the job's N processes (gdn_parallel/verify/layouts.py: the default set, or
 `--layouts`) trains `--steps` AdamW steps on a fixed batch (verify/batches.py: N micro-batches of
@@ -13,13 +14,23 @@ gradient norm, every gradient gathered to full shape, and the parameters after e
 runs/verify.json or $OUT/verify.json). Exit status: 0 every layout passed, 1 a layout failed, 2 the
 command or config is wrong (the message says what to change).
 
-`--inject-fault LAYOUT[:grads|:params]` (hidden, repeatable) is for the tests only: in that layout
-it multiplies one gradient of the last rank by 1.5 after the backward (grads, the default), or one
-of its parameters after the optimizer step (params), to show that a wrong layout fails the run.
+`--checkpoint` (2 steps unless --steps says more) also saves each layout's checkpoint after step 1,
+after an evaluation, and resumes step 2 from it into the same layout (bit for bit) and into the
+reference (under the criteria), and compares the evaluation with the reference's (checkpoint_leg.py).
+The checkpoints go to a temporary directory beside the JSON file, which every rank must see; it is
+removed at the end.
+
+`--inject-fault LAYOUT[:grads|:params|:ckpt|:unsharded]` (hidden, repeatable) is for the tests only:
+in that layout it multiplies one gradient of the last rank by 1.5 after the backward (grads, the
+default), or one of its parameters after the optimizer step (params), or (with --checkpoint) one
+AdamW moment of the last rank after the same-layout load (ckpt), or unshards the FSDP2 root modules
+after the evaluation, as evaluations once left them (unsharded), to show that a wrong layout or
+checkpoint fails the run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from importlib import resources
@@ -32,10 +43,11 @@ from ..config import Config, ConfigError
 from ..ops.triton_dispatch import check_kernel_config
 from ..runtime import detect_launch_env, process_group, strip_launcher_args
 from .batches import MIN_ROW_TOKENS, verification_batch
+from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointSettings, shared_directory
 from .layout_run import FAULT_KINDS
-from .layouts import LayoutError, layouts_to_run, parse_layout
+from .layouts import Layout, LayoutError, layouts_to_run, parse_layout
 from .reference import OptimizerSettings
-from .report import table, to_json, write_json
+from .report import default_json_path, table, to_json, write_json
 from .runner import verify
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
@@ -54,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layouts", nargs="+", action="extend", metavar="LAYOUT",
                         help="layouts to check instead of the default set, each like tp2,cp2 or pp=2,dp=2,ddp "
                              "(options: sp, allgather, ddp, interleaved, vs=N, ac=full|selective)")
-    parser.add_argument("--steps", type=int, default=1, help="optimizer steps compared (default 1)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps compared (default 1; 2 with --checkpoint)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(PRECISIONS),
                         help="fp32 (default): every error within 1e-5 (CPU) / 1e-4 (CUDA); bf16: autocast against "
                              "the fp32 reference, no worse than 1.5x bf16 on one device, loss within 1e-2")
@@ -67,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None,
                         help="results file (default $OUT/verify.json when $OUT is set, else runs/verify.json)")
     parser.add_argument("--list", action="store_true", help="print the layouts that would run, and exit")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="also save each layout's checkpoint after step 1 (after an evaluation) and resume "
+                             "step 2 from it into the same layout (must be bit-exact) and into the one-device "
+                             "reference; compares the evaluation with the reference's")
     parser.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests only (docstring)
     return parser
 
@@ -95,11 +112,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         config = Config.from_yaml(resolve_config_path(args.config), args.overrides)
         seq_len = args.seq_len or config.train.seq_len
-        if args.steps < 1 or args.rows < 1 or args.rows * seq_len < MIN_ROW_TOKENS:
-            raise ConfigError(f"--steps {args.steps} must be positive and --rows {args.rows} x --seq-len {seq_len} "
+        steps_count = args.steps if args.steps is not None else (SAVED_AFTER + 1 if args.checkpoint else 1)
+        if steps_count < 1 or args.rows < 1 or args.rows * seq_len < MIN_ROW_TOKENS:
+            raise ConfigError(f"--steps {steps_count} must be positive and --rows {args.rows} x --seq-len {seq_len} "
                               f"at least {MIN_ROW_TOKENS} tokens")
+        if args.checkpoint and steps_count <= SAVED_AFTER:
+            raise ConfigError(f"--checkpoint saves after step {SAVED_AFTER} and resumes step {SAVED_AFTER + 1}: "
+                              f"give --steps {SAVED_AFTER + 1} or more, or leave --steps out")
         layouts = layouts_to_run(args.layouts, world, config.model, args.rows * seq_len)
-        faults = _faults(args.inject_fault, [l.name for l, reason in layouts if reason is None])
+        faults = _faults(args.inject_fault, [l for l, reason in layouts if reason is None], args.checkpoint)
     except (ConfigError, LayoutError) as err:
         if is_main:
             print(f"gdn-verify: {err}", file=sys.stderr)
@@ -124,36 +145,62 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         seed = config.train.seed if args.seed is None else args.seed
         steps = [verification_batch(step, world, args.rows, seq_len, config.model.vocab_size, device)
-                 for step in range(args.steps)]
-        say(f"gdn-verify | {world} {device.type} process(es) | {args.config} | {precision} | {args.steps} step(s) "
-            f"x {world} micro-batches of {args.rows} x {seq_len} tokens | {len(layouts)} layouts")
-        result = verify(config.model, seed, steps, layouts, device, OptimizerSettings.from_train_config(config.train),
-                        seq_len, precision, args.tolerance, faults, progress=say)
+                 for step in range(steps_count)]
+        say(f"gdn-verify | {world} {device.type} process(es) | {args.config} | {precision} | {steps_count} step(s) "
+            f"x {world} micro-batches of {args.rows} x {seq_len} tokens | {len(layouts)} layouts"
+            + (f" | checkpoint after step {SAVED_AFTER}, resumed" if args.checkpoint else ""))
+        with contextlib.ExitStack() as stack:
+            checkpoint = None
+            if args.checkpoint:
+                try:
+                    root = stack.enter_context(shared_directory(Path(args.json or default_json_path()).parent))
+                except ConfigError as err:
+                    if is_main:
+                        print(f"gdn-verify: {err}", file=sys.stderr)
+                    return 2
+                checkpoint = CheckpointSettings(root, config)
+            result = verify(config.model, seed, steps, layouts, device,
+                            OptimizerSettings.from_train_config(config.train), seq_len, precision, args.tolerance,
+                            faults, progress=say, checkpoint=checkpoint)
         if is_main:
             say(f"criteria | {result.criteria.describe()}")
             say("columns  | relative errors, worst over the steps: loss, gradient norm, gradients (worst tensor, "
                 "all as one vector), parameters after the step vs AdamW on one device with the layout's gradients")
+            if args.checkpoint:
+                resumed = SAVED_AFTER + 1
+                say(f"checkpoint | saved after step {SAVED_AFTER}, after an evaluation of step {resumed}'s rows; "
+                    f"val loss: that evaluation vs the reference's; resume ref: the reference resumed from the "
+                    f"checkpoint, worst relative error of step {resumed}; resume same: the layout resumed, bit for bit")
             for line in table(result):
                 say(line)
             header = {"world": world, "device": _device_name(device), "config": str(args.config),
-                      "overrides": args.overrides, "steps": args.steps, "micro_batches": world, "rows": args.rows,
+                      "overrides": args.overrides, "steps": steps_count, "micro_batches": world, "rows": args.rows,
                       "seq_len": seq_len, "seed": seed}
+            if args.checkpoint:
+                header["checkpoint"] = {"saved_after_step": SAVED_AFTER, "val_loss_bound": result.val_loss_bound}
             say(f"json | {write_json(to_json(result, header), args.json)}")
     return 0 if result.passed else 1
 
 
-def _faults(specs: List[str], names: List[str]) -> Dict[str, str]:
+def _faults(specs: List[str], runnable: List[Layout], checkpoint: bool) -> Dict[str, str]:
     """--inject-fault LAYOUT[:KIND] ... -> {layout name: kind}, checked against the layouts that run."""
+    names = [l.name for l in runnable]
     faults = {}
     for spec in specs:
         name, _, kind = spec.partition(":")
         kind = kind or "grads"
-        if kind not in FAULT_KINDS:
-            raise LayoutError(f"--inject-fault {spec}: the kind after ':' is one of {', '.join(FAULT_KINDS)}")
-        layout = parse_layout(name).name
-        if layout not in names:
-            raise LayoutError(f"--inject-fault {spec}: {layout} is not a layout this run checks ({', '.join(names)})")
-        faults[layout] = kind
+        if kind not in FAULT_KINDS + CHECKPOINT_FAULTS:
+            raise LayoutError(f"--inject-fault {spec}: the kind after ':' is one of "
+                              f"{', '.join(FAULT_KINDS + CHECKPOINT_FAULTS)}")
+        if kind in CHECKPOINT_FAULTS and not checkpoint:
+            raise LayoutError(f"--inject-fault {spec}: {kind} spoils the checkpoint leg; add --checkpoint")
+        layout = parse_layout(name)
+        if layout.name not in names:
+            raise LayoutError(f"--inject-fault {spec}: {layout.name} is not a layout this run checks "
+                              f"({', '.join(names)})")
+        if kind == "unsharded" and not (layout.data_parallel == "fsdp" and layout.dp * layout.cp > 1):
+            raise LayoutError(f"--inject-fault {spec}: unsharded needs an FSDP2 layout (dp or cp above 1, not ddp)")
+        faults[layout.name] = kind
     return faults
 
 

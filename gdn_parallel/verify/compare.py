@@ -64,6 +64,13 @@ def relative_error(actual, expected) -> float:
     return diff / yardstick if yardstick > 0 else diff
 
 
+def worst(values) -> float:
+    """The largest value; NaN when any is NaN (a NaN error must fail, and Python's max skips it
+    depending on the order)."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+
 def scalar_error(actual: float, expected: float) -> float:
     return relative_error(torch.tensor(float(actual)), torch.tensor(float(expected)))
 

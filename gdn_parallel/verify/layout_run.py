@@ -8,6 +8,8 @@ parameter (after the update) is gathered to its full single-device shape and com
 reference at the same parameters; the reference then steps AdamW with the layout's gathered, clipped
 gradients (params: compare.py), and takes the layout's new parameters before the next step (from the
 pipeline rank that holds each one). Only per-tensor norms leave the rank (`compare.tensor_diff`).
+With --checkpoint, a CheckpointLeg (checkpoint_leg.py) is told of the first two steps and resumes
+the second from its checkpoint once the run is done.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ..parallel.pipeline import parts_of_rank
 from ..parallel.tensor import full_tensor
 from ..model import build_model
 from .batches import replica_share
+from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointLeg, CheckpointSettings, RankCheckpoint
 from .compare import TensorDiff, scalar_error, tensor_diff
 from .layouts import Layout
 from .reference import OptimizerSettings, ReferenceModel, StepGradients, clip_coefficient
@@ -40,6 +43,7 @@ class RankMeasurement:
     losses: List[float] = field(default_factory=list)
     scalars: List[Dict[str, float]] = field(default_factory=list)                  # loss, grad_norm
     tensors: List[Dict[str, Dict[str, TensorDiff]]] = field(default_factory=list)  # grads, params
+    checkpoint: Optional[RankCheckpoint] = None                                    # --checkpoint
 
 
 def full_shape(t: torch.Tensor, param: torch.nn.Parameter, dims: ParallelDims) -> torch.Tensor:
@@ -56,27 +60,44 @@ def part_of(parameter_name: str) -> str:
     return ".".join(head[:2]) if head[0] == "layers" else head[0]
 
 
-def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequence[Sequence[PackedBatch]],
-               reference: ReferenceModel, first: StepGradients, device: torch.device,
-               optimizer: OptimizerSettings, seq_len: int, autocast_dtype: Optional[torch.dtype] = None,
-               inject_fault: Optional[str] = None) -> RankMeasurement:
-    """`reference` at the seed's weights; `first`: its gradients of steps[0] there (shared by every
-    layout, whose first step starts from the same weights). `inject_fault` (tests only): a FAULT_KINDS
-    entry, the quantity to spoil."""
+def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: ParallelDims, device: torch.device,
+                 optimizer: OptimizerSettings, seq_len: int):
+    """(parallel model, its trained named parameters, AdamW) of this rank, as the trainer builds them."""
     config = layout.parallel_config()
-    dims = build_mesh(config, device.type)
     parts = parts_of_rank(model_config, config, dims.rank("pp"), seq_len)
     model = build_model(model_config, device, seed, keep=parts.__contains__)
     parallel = parallelize(model, dims, config, device=device, seq_len=seq_len,
                            activation_checkpointing=layout.activation_checkpointing)
     named = [(n, p) for n, p in parallel.named_parameters() if p.requires_grad]
-    opt = optimizer.build(p for _, p in named)
+    return parallel, named, optimizer.build(p for _, p in named)
+
+
+def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequence[Sequence[PackedBatch]],
+               reference: ReferenceModel, first: StepGradients, device: torch.device,
+               optimizer: OptimizerSettings, seq_len: int, autocast_dtype: Optional[torch.dtype] = None,
+               inject_fault: Optional[str] = None, checkpoint: Optional[CheckpointSettings] = None) -> RankMeasurement:
+    """`reference` at the seed's weights; `first`: its gradients of steps[0] there (shared by every
+    layout, whose first step starts from the same weights). `inject_fault` (tests only): a FAULT_KINDS
+    or checkpoint_leg.CHECKPOINT_FAULTS entry, the quantity to spoil. `checkpoint`: run the
+    checkpoint leg (checkpoint_leg.py) around the first two steps."""
+    config = layout.parallel_config()
+    dims = build_mesh(config, device.type)
+    parallel, named, opt = build_layout(layout, model_config, seed, dims, device, optimizer, seq_len)
+    leg = None
+    if checkpoint is not None:
+        leg = CheckpointLeg(checkpoint, layout, dims,
+                            lambda other_seed: build_layout(layout, model_config, other_seed, dims, device,
+                                                            optimizer, seq_len),
+                            steps[SAVED_AFTER], reference, optimizer.grad_clip, seed, autocast_dtype,
+                            inject_fault if inject_fault in CHECKPOINT_FAULTS else None)
     measured = RankMeasurement()
     for index, batch in enumerate(steps):
         expected = first if index == 0 else reference.gradients(batch)
         loss = parallel.train_step(replica_share(batch, dims.rank("dp"), config.dp), autocast_dtype=autocast_dtype)
         if inject_fault == "grads":
             _inject_fault(named, "grad")
+        if leg is not None:
+            leg.after_backward(index, named)
         grads, gathered = {}, {}
         for name, p in named:
             # a copy: clipping scales the gradients in place, and an unsharded one is returned as it is
@@ -89,6 +110,8 @@ def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequ
             _inject_fault(named, "data")
         coefficient = clip_coefficient(norm.detach().to(device), optimizer.grad_clip)
         reference.step({name: g * coefficient.to(g.dtype) for name, g in gathered.items()})
+        if leg is not None:
+            leg.keep_gradients(index, gathered)
         del gathered
         params, values = {}, {}
         for name, p in named:
@@ -96,11 +119,15 @@ def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequ
             params[name] = tensor_diff(values[name], reference.params[name], name)
         if index + 1 < len(steps):
             _follow_layout(reference, values, model_config, config, dims, seq_len)
+        if leg is not None:
+            leg.after_step(index, parallel, opt, named, loss, norm, expected, values)
         del values
         measured.losses.append(float(loss))
         measured.scalars.append({"loss": scalar_error(float(loss), expected.loss),
                                  "grad_norm": scalar_error(float(norm), expected.grad_norm)})
         measured.tensors.append({"grads": grads, "params": params})
+    if leg is not None:
+        measured.checkpoint = leg.finish()
     return measured
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Sequence
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -106,6 +106,20 @@ class ReferenceModel:
             p.grad = None
         norm = torch.stack([g.double().pow(2).sum() for g in grads.values()]).sum().sqrt()
         return StepGradients(float(loss), float(norm), grads)
+
+    @torch.no_grad()
+    def evaluate(self, batch: Sequence[PackedBatch]) -> Tuple[float, int]:
+        """(summed token loss, label count) of the rows in fp32, forward only in eval mode: the
+        quantity ParallelModel.evaluate returns."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.model.eval()
+        try:
+            for mb in batch:
+                out = self.model(mb.input_ids, labels=mb.labels, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids)
+                total += out.loss_sum.double()
+        finally:
+            self.model.train()
+        return float(total), label_count(batch)
 
     def step(self, grads: Mapping[str, torch.Tensor]) -> None:
         """AdamW on `grads` (parameters without one keep their values and state)."""

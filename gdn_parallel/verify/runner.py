@@ -3,7 +3,6 @@ turn, measured against the reference and judged by the criteria; every rank ends
 results."""
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -13,7 +12,10 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..data.packing import PackedBatch
-from .compare import TENSOR_SETS, Criteria, Measured, measure_steps, merge_rank_diffs, scalar_error, tensor_diff
+from .checkpoint_leg import CheckpointSettings
+from .checkpoint_verdict import CheckpointCheck, judge, val_loss_bound
+from .compare import (TENSOR_SETS, Criteria, Measured, measure_steps, merge_rank_diffs, scalar_error, tensor_diff,
+                      worst)
 from .layout_run import RankMeasurement, run_layout
 from .layouts import Layout
 from .reference import OptimizerSettings, ReferenceModel, StepGradients, clip_coefficient
@@ -26,6 +28,7 @@ class LayoutResult:
     reason: Optional[str] = None       # why skipped, or what failed
     measured: Optional[Measured] = None
     seconds: float = 0.0
+    checkpoint: Optional[CheckpointCheck] = None   # --checkpoint
 
 
 @dataclass
@@ -36,17 +39,11 @@ class Verification:
     results: List[LayoutResult] = field(default_factory=list)
     baseline: Optional[Measured] = None      # bf16 on one device vs fp32 (bf16 runs only)
     reference_seconds: float = 0.0
+    val_loss_bound: Optional[float] = None   # --checkpoint runs only
 
     @property
     def passed(self) -> bool:
         return all(r.status != "fail" for r in self.results)
-
-
-def worst(values) -> float:
-    """The largest value; NaN when any is NaN (a NaN error must fail, and Python's max skips it
-    depending on the order)."""
-    values = list(values)
-    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
 
 def single_device_bf16(reference: ReferenceModel, first: StepGradients,
@@ -78,9 +75,12 @@ def merge_ranks(per_rank: Sequence[RankMeasurement], reference_names) -> Measure
 def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[PackedBatch]],
            layouts: Sequence[Tuple[Layout, Optional[str]]], device: torch.device,
            optimizer: OptimizerSettings, seq_len: int, precision: str, tolerance: Optional[float] = None,
-           faults: Optional[Dict[str, str]] = None, progress: Callable[[str], None] = lambda line: None) -> Verification:
+           faults: Optional[Dict[str, str]] = None, progress: Callable[[str], None] = lambda line: None,
+           checkpoint: Optional[CheckpointSettings] = None) -> Verification:
     """Run the reference and every layout ((layout, skip reason or None)) on this rank. `faults`
-    (tests only): {layout name: the quantity to spoil on purpose (layout_run.FAULT_KINDS)}."""
+    (tests only): {layout name: the quantity to spoil on purpose (layout_run.FAULT_KINDS,
+    checkpoint_leg.CHECKPOINT_FAULTS)}. `checkpoint`: each layout also saves and resumes a checkpoint
+    (checkpoint_leg.py; needs two steps or more)."""
     start = time.perf_counter()
     reference = ReferenceModel(model_config, seed, device, optimizer)
     first = reference.gradients(steps[0])
@@ -89,7 +89,8 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
         autocast_dtype = torch.bfloat16
         baseline = single_device_bf16(reference, first, steps)
     criteria = Criteria.for_run(precision, device.type, tolerance, baseline.errors if baseline else None)
-    result = Verification(criteria, first.loss, baseline=baseline, reference_seconds=time.perf_counter() - start)
+    result = Verification(criteria, first.loss, baseline=baseline, reference_seconds=time.perf_counter() - start,
+                          val_loss_bound=val_loss_bound(criteria, tolerance) if checkpoint is not None else None)
     progress(f"reference | the first step on one device in {result.reference_seconds:.1f} s | loss {first.loss:.4f} "
              f"| grad norm {first.grad_norm:.4f}")
     runnable = [l for l, reason in layouts if reason is None]
@@ -104,7 +105,7 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
         reference.reset()
         try:
             mine = run_layout(layout, model_config, seed, steps, reference, first, device, optimizer, seq_len,
-                              autocast_dtype, inject_fault=(faults or {}).get(layout.name))
+                              autocast_dtype, inject_fault=(faults or {}).get(layout.name), checkpoint=checkpoint)
         except Exception as err:
             raise RuntimeError(f"layout {layout.name} raised on rank {dist.get_rank()}: {type(err).__name__}: {err}") from err
         per_rank: List[Optional[RankMeasurement]] = [None] * dist.get_world_size()
@@ -113,8 +114,12 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
         failures = criteria.failures(measured.errors)
         if measured.missing:
             failures.insert(0, f"no rank holds {', '.join(measured.missing)}")
+        check = None
+        if checkpoint is not None:
+            check = judge([r.checkpoint for r in per_rank], criteria, result.val_loss_bound, reference.names)
+            failures += check.failures
         outcome = LayoutResult(layout, "fail" if failures else "pass", "; ".join(failures) or None, measured,
-                               time.perf_counter() - start)
+                               time.perf_counter() - start, check)
         result.results.append(outcome)
         progress(f"{outcome.status:<9} | {number} {layout.name} in {outcome.seconds:.1f} s"
                  + (f": {outcome.reason}" if outcome.reason else ""))

@@ -150,3 +150,32 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
     step = int(saved.name.split("_")[1])
     assert 3 <= step < 400
     assert json.loads((saved / TRAINER_STATE).read_text())["step"] == step
+
+
+def test_a_rollback_sets_the_abandoned_line_aside_and_keeps_the_new_one(tmp_path, capsys):
+    """Resuming an older checkpoint into the run's own out_dir (keep=1): the later checkpoints of the
+    abandoned line are moved to checkpoints/abandoned/<time>/ and named; the new line's step_4 is
+    kept (it used to be pruned at once in favour of the abandoned, higher-numbered step_6, which a
+    later `--resume auto` then loaded, ending after 0 steps), and `--resume auto` continues it."""
+    train(tmp_path, 6, "--set", "checkpoint.interval=2")                         # step_2, step_4, step_6
+    capsys.readouterr()
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    summary = train(tmp_path, 4, "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=1", resume=str(step_2))
+    assert summary["start_step"] == 2 and summary["steps"] == 4
+    printed = capsys.readouterr().out
+    abandoned = sorted((tmp_path / "checkpoints" / "abandoned").glob("*/step_*"))
+    assert [path.name for path in abandoned] == ["step_4", "step_6"]
+    assert f"rolled back to step 2: the later checkpoint(s) step_4, step_6 of the abandoned line moved to " \
+           f"{abandoned[0].parent}" in printed
+    assert [path.name for path in (tmp_path / "checkpoints").glob("step_*")] == ["step_4"]
+    later = train(tmp_path, 5, "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=1", resume="auto")
+    assert later["start_step"] == 4 and later["steps"] == 5
+
+
+def test_a_rolled_back_line_repeats_the_abandoned_one_bit_for_bit(tmp_path):
+    """The new line's checkpoint at a step the abandoned line also reached holds the same tensors."""
+    train(tmp_path, 4, "--set", "checkpoint.interval=2")                         # step_2, step_4
+    train(tmp_path, 4, "--set", "checkpoint.interval=2", resume=str(tmp_path / "checkpoints" / "step_2"))
+    (abandoned,) = (tmp_path / "checkpoints" / "abandoned").glob("*/step_4")
+    new, old = (checkpoint_tensors(path, tmp_path) for path in (tmp_path / "checkpoints" / "step_4", abandoned))
+    assert new.keys() == old.keys() and all(torch.equal(new[key], old[key]) for key in new)

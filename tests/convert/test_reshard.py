@@ -7,6 +7,7 @@ import json
 import torch
 
 from gdn_parallel.checkpoint import read_trainer_state
+from gdn_parallel.config import Config
 from gdn_parallel.convert import reshard as reshard_module
 from gdn_parallel.convert.__main__ import main
 from gdn_parallel.convert.safetensors_io import read_folder
@@ -32,12 +33,15 @@ def exports_alike(checkpoint, original, tmp_path) -> None:
     assert_same_tensors(read_folder(tmp_path / "saved-hf"), read_folder(tmp_path / "original-hf"))
 
 
-def test_a_converted_checkpoint_in_pipeline_stages_on_two_processes(hybrid_checkpoint, tmp_path):
+def test_a_converted_checkpoint_in_pipeline_stages_on_two_processes(hybrid_checkpoint, tmp_path, capsys):
     converted, report, out = tmp_path / "converted", tmp_path / "report.json", tmp_path / "resharded"
     assert main(["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")]) == 0
     assert main(["from-hf", str(tmp_path / "hf"), str(converted)]) == 0
     argv = ["reshard", str(converted), "--layout", "pp=2", "--out", str(out), "--report", str(report)]
-    assert run_workers(reshard_worker, 2, argv) == [0, 0]
+    # the config.yaml --out writes must train as written: a pipeline of 2 stages needs 2 micro-batches
+    assert main(argv) == 2 and not out.exists()
+    assert "does not train under this layout: train.microbatch_size=0 gives 1 micro-batch(es)" in capsys.readouterr().err
+    assert run_workers(reshard_worker, 2, argv + ["--set", "train.microbatch_size=1"]) == [0, 0]
     result = report_of(report)
     assert result["ok"] and not result["held_by_no_rank"] and result["step"] == 0
     # tied embeddings: the first stage's embedding and the last stage's head are one tensor, on both ranks
@@ -45,9 +49,13 @@ def test_a_converted_checkpoint_in_pipeline_stages_on_two_processes(hybrid_check
     exports_alike(out / "checkpoints" / "step_0", hybrid_checkpoint, tmp_path)
 
 
-def test_tensor_and_data_parallel_on_four_processes_and_a_resave(hybrid_checkpoint, tmp_path):
+def test_tensor_and_data_parallel_on_four_processes_and_a_resave(hybrid_checkpoint, tmp_path, capsys):
     report, out = tmp_path / "report.json", tmp_path / "resharded"
     argv = ["reshard", str(hybrid_checkpoint), "--layout", "tp=2,dp=2", "--out", str(out), "--report", str(report)]
+    # train.batch_size is per replica: the run's global batch of one row cannot stay one row over 2 replicas
+    assert main(argv) == 2 and not out.exists()
+    assert "global batch of 1 rows (train.batch_size=1 x dp=1) does not split over parallel.dp=2" in capsys.readouterr().err
+    argv += ["--set", "train.batch_size=1"]    # a global batch of 2 from here on, chosen explicitly
     assert run_workers(reshard_worker, 4, argv) == [0, 0, 0, 0]
     result = report_of(report)
     assert result["ok"] and result["tensors_checked"] == 4 * 4 * result["model_tensors"]
@@ -57,6 +65,11 @@ def test_tensor_and_data_parallel_on_four_processes_and_a_resave(hybrid_checkpoi
     state = read_trainer_state(saved)
     assert state["layout"]["tp"] == 2 and state["layout"]["dp"] == 2
     assert state["data"] == read_trainer_state(hybrid_checkpoint)["data"]
+    # as complete as the trainer's: the run's config.yaml names the new run and layout, the checkpoint's too
+    assert state["config"]["train"]["out_dir"] == str(out) and state["resharded_from"] == str(hybrid_checkpoint)
+    for config_file in (out / "config.yaml", saved / "config.yaml"):
+        config = Config.from_yaml(config_file)
+        assert config.train.out_dir == str(out) and (config.parallel.tp, config.parallel.dp) == (2, 2)
     exports_alike(saved, hybrid_checkpoint, tmp_path)
 
 
