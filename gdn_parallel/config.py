@@ -47,6 +47,10 @@ RENAMED = {"parallel.microbatches": "set train.microbatch_size (sequences per fo
                                  "process evaluated"}
 
 
+# Text fields whose choices include on and off: YAML reads a bare `off` (also `no`, `false`) as false.
+ON_OFF_FIELDS = frozenset({"log.progress_bar"})
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
@@ -596,10 +600,31 @@ def parse_override(item: str, sections: Optional[dict] = None) -> Tuple[str, str
     return parts[0], parts[1], value
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (plain YAML keeps the last
+    silently: a field set twice in a config would take whichever came last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(None, None, f"the key {key!r} appears twice in one section (first on line "
+                                    f"{seen[key] + 1}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh) or {}
+            return yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as err:
+        raise ConfigError(f"config file {str(path)!r}, line {err.problem_mark.line + 1}: {err.problem}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
@@ -723,6 +748,8 @@ def _coerce(value, hint, name):
             raise ConfigError(f"{name}={value!r} must be a number")
         return float(value)
     if base is str:
+        if isinstance(value, bool) and name in ON_OFF_FIELDS:  # YAML 1.1 reads a bare on/off as a boolean
+            return "on" if value else "off"
         if not isinstance(value, str):
             raise ConfigError(f"{name}={value!r} must be a string")
         return value

@@ -218,6 +218,29 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
         Config.from_yaml(TINY, ["train.lr=[1"])
 
 
+def test_a_key_given_twice_names_both_lines(tmp_path):
+    """YAML itself keeps the last of two equal keys; a config doing that is refused."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: 1.0e-3\n  steps: 5\nmodel:\n  n_layers: 2\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml', line 4: the key 'steps' appears twice in one section "
+                                          r"\(first on line 2\); keep one"):
+        Config.from_yaml(path)
+    path.write_text("train:\n  steps: 3\nmodel:\n  steps: 3\n")   # the same name in two sections is fine
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['model.steps'\]"):
+        Config.from_yaml(path)
+
+
+@pytest.mark.parametrize("word, value", [("off", "off"), ("on", "on"), ("no", "off"), ("true", "on"), ("auto", "auto")])
+def test_on_off_fields_take_yaml_booleans(tmp_path, word, value):
+    """YAML 1.1 reads a bare off/on/no/true as a boolean; a field whose choices are on/off takes them."""
+    assert Config.from_yaml(TINY, [f"log.progress_bar={word}"]).log.progress_bar == value
+    path = tmp_path / "bar.yaml"
+    path.write_text(f"log:\n  progress_bar: {word}\n")
+    assert Config.from_yaml(path).log.progress_bar == value
+    with pytest.raises(ConfigError, match="train.out_dir=False must be a string"):  # other text fields do not
+        Config.from_yaml(TINY, ["train.out_dir=off"])
+
+
 def test_out_dir_must_be_a_directory_that_can_be_written(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
