@@ -43,6 +43,12 @@ def partial_path(out_dir: str, step: int) -> Path:
     return checkpoints_dir(out_dir) / f"step_{step}.partial"
 
 
+def step_of(path: Path) -> Optional[int]:
+    """N of a `step_<N>` directory, else None."""
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
 
@@ -88,7 +94,7 @@ def prune(out_dir: str, keep: int) -> List[Path]:
 def set_aside_after(out_dir: str, step: int) -> List[Path]:
     """Move the complete checkpoints of out_dir past `step` (an abandoned line, after a rollback to
     `step`) to checkpoints/abandoned/<time>/; returns where they went (rank 0, before training)."""
-    later = [path for path in complete_checkpoints(out_dir) if int(path.name.split("_")[1]) > step]
+    later = [path for path in complete_checkpoints(out_dir) if step_of(path) > step]
     if not later:
         return []
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -1,9 +1,13 @@
-"""Saving and resuming a run: model, optimizer, step (and with it the LR schedule position), data
-positions, random generator states, the resolved config and the layout it was saved under.
+"""Saving a run: model, optimizer, step (and with it the LR schedule position), data position,
+random generator states, the resolved config and the layout it was saved under (loading.py reads
+them back).
 
-Every rank calls `save` and `load` (they are collectives). Tensors go through
-torch.distributed.checkpoint in layout-free form (state.py), so a run resumes under any layout;
-the small rest is JSON written by rank 0, plus one RNG file per rank.
+Every rank calls `save` (a collective). Tensors go through torch.distributed.checkpoint in
+layout-free form (state.py), so a run resumes under any layout; the small rest is JSON and YAML
+written by rank 0, one RNG file per rank, and the checksums of every file (integrity.py), hashed by
+the ranks in shares. A save that fails on any rank (a full disk) fails on every rank with one
+CheckpointWriteError naming the path, the space needed and free; its partial directory is removed
+and the earlier checkpoints stay as they were.
 """
 from __future__ import annotations
 
@@ -11,49 +15,29 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
-from ..config import Config, ConfigError
-from . import files
-from .state import apply_loaded, state_to_save, targets_to_load
+from ..config import Config
+from . import files, integrity, ranks
+from .errors import CheckpointWriteError
+from .state import state_to_save
 
 FORMAT_VERSION = 1
 LAYOUT_DEGREES = ("tp", "pp", "cp", "dp")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _flag_device() -> torch.device:
-    """Where a small collective buffer lives: NCCL reduces CUDA tensors only."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def rng_state() -> dict:
+    """This process's random generator states, as tensors and plain data (read with weights_only)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def layout_record(config: Config, world: int) -> dict:
@@ -72,14 +56,36 @@ def checkpoint_record(step: int, config: Config, world: int, data_stream: Dict[s
             "layout": layout_record(config, world), "data": {"stream": data_stream}, **extra}
 
 
-def seal(directory: Path, record: Dict[str, Any], config: Config) -> None:
+def seal(directory: Path, record: Dict[str, Any], config: Config,
+         checksums: Optional[Dict[str, dict]] = None) -> None:
     """Complete a checkpoint directory whose tensors are written: trainer_state.json, the config to
-    resume with (config.yaml), and COMPLETE last. The one writer of these files, for the trainer's
-    saves and the converters' checkpoints alike."""
+    resume with (config.yaml), the checksums of every file (`checksums`: those of the files already
+    there, hashed by the ranks; None: hashed here), and COMPLETE last. The one writer of these files,
+    for the trainer's saves and the converters' checkpoints alike."""
     directory = Path(directory)
+    if checksums is None:
+        checksums = integrity.checksums(directory, _files_to_hash(directory))
     (directory / files.TRAINER_STATE).write_text(json.dumps(record, indent=1))
     (directory / files.CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
+    integrity.write_manifest(directory, {**checksums, **integrity.checksums(
+        directory, [files.TRAINER_STATE, files.CONFIG_COPY])})
     (directory / files.COMPLETE).write_text("")
+
+
+def _files_to_hash(directory: Path) -> List[str]:
+    """The files of a checkpoint being written whose checksums are recorded (all but what seal writes)."""
+    own = {files.TRAINER_STATE, files.CONFIG_COPY, files.COMPLETE, integrity.MANIFEST}
+    return sorted(p.name for p in Path(directory).iterdir() if p.is_file() and p.name not in own)
+
+
+def _shared_checksums(directory: Path) -> Dict[str, dict]:
+    """The checksums of a checkpoint's files, each rank hashing a share (a collective)."""
+    names: Sequence[str] = ranks.gathered(_files_to_hash(directory) if ranks.rank() == 0 else None)[0]
+    mine = integrity.checksums(directory, names[ranks.rank()::ranks.world()])
+    merged: Dict[str, dict] = {}
+    for part in ranks.gathered(mine):
+        merged.update(part)
+    return merged
 
 
 class CheckpointSaver:
@@ -106,27 +112,32 @@ class CheckpointSaver:
         data_stream: the stream's position (the same on every rank); extra: more trainer_state.json entries."""
         self.finish()  # one save in flight at a time
         partial = files.partial_path(self.out_dir, step)
-        if _rank() == 0:
-            if partial.exists():  # an earlier, interrupted save of this step: none of its files may stay
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-        _barrier()
-        torch.save(rng_state(), partial / f"rng_rank{_rank()}.pt")
         state = state_to_save(named_params, optimizer, dims)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        record = checkpoint_record(step, config, world, data_stream, **extra)
-        if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group)
-            self._pending = (future, step, record, config)
-            return
-        dcp.save(state, checkpoint_id=str(partial))
+        record = checkpoint_record(step, config, ranks.world(), data_stream, **extra)
+
+        def start() -> None:
+            if ranks.rank() == 0:
+                if partial.exists():  # an earlier, interrupted save of this step: none of its files may stay
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            ranks.barrier()
+            torch.save(rng_state(), partial / f"rng_rank{ranks.rank()}.pt")
+        self._agree(step, start)
+        try:
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group)
+                self._pending = (future, step, record, config)
+                return
+            dcp.save(state, checkpoint_id=str(partial))
+        except (Exception, CheckpointException) as err:   # DCP raises on every rank alike
+            raise self._failed(step, err) from None
         self._publish(step, record, config)
 
     def poll(self) -> None:
         """Publish a finished asynchronous save (cheap; call once per step). Every rank must call it at
         the same steps: publishing is a collective."""
         if self._pending is not None:
-            done = torch.tensor([float(self._pending[0].done())], device=_flag_device())
+            done = torch.tensor([float(self._pending[0].done())], device=ranks.flag_device())
             if dist.is_initialized():
                 dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every rank's part written
             if done.item():
@@ -136,65 +147,57 @@ class CheckpointSaver:
         if self._pending is None:
             return
         future, step, record, config = self._pending
-        future.result()
         self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as err:
+            raise self._failed(step, err) from None
         self._publish(step, record, config)
 
     def _publish(self, step: int, record: Dict[str, Any], config: Config) -> None:
-        _barrier()  # every rank's tensors and RNG file are on disk
-        if _rank() == 0:
-            seal(files.partial_path(self.out_dir, step), record, config)
-            self.published.append(files.publish(self.out_dir, step))
-            files.prune(self.out_dir, self.keep)
-        _barrier()
+        ranks.barrier()  # every rank's tensors and RNG file are on disk
+        partial = files.partial_path(self.out_dir, step)
+        checksums = self._agree(step, lambda: _shared_checksums(partial))
+
+        def publish() -> None:
+            if ranks.rank() == 0:
+                seal(partial, record, config, checksums)
+                self.published.append(files.publish(self.out_dir, step))
+                files.prune(self.out_dir, self.keep)
+        self._agree(step, publish)
+
+    def _agree(self, step: int, part):
+        """Run a part of the save on this rank; a failure on any rank fails the save on every rank."""
+        def failed(error: str) -> BaseException:
+            return self._failed(step, error)
+        return ranks.agree(part, failed)
+
+    def _failed(self, step: int, error) -> CheckpointWriteError:
+        """The save of `step` failed (on some rank): remove its partial directory and say why, where,
+        and how much space it needs and has (every rank returns the same error)."""
+        partial = files.partial_path(self.out_dir, step)
+        cause = error if isinstance(error, str) else ranks.describe(error)
+        ranks.barrier()
+        needed = _checkpoint_bytes(self.out_dir)
+        if ranks.rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        free = shutil.disk_usage(files.checkpoints_dir(self.out_dir) if files.checkpoints_dir(self.out_dir).is_dir()
+                                 else self.out_dir).free
+        newest = files.latest_checkpoint(self.out_dir)
+        return CheckpointWriteError(
+            f"saving checkpoint {files.final_path(self.out_dir, step)} failed: {cause}. "
+            + (f"A checkpoint takes about {_gib(needed)} (the last one); " if needed else "")
+            + f"{_gib(free)} are free on that file system. The partial checkpoint was removed; "
+            + (f"the newest complete one is {newest} (--resume auto continues from it)" if newest is not None
+               else "there is no earlier checkpoint"))
 
 
-def resolve_resume(resume: Optional[str], out_dir: str) -> Optional[Path]:
-    """`--resume auto`: the newest complete checkpoint under out_dir (None when there is none yet);
-    `--resume PATH`: that checkpoint, which must be complete."""
-    if not resume:
-        return None
-    if resume == "auto":
-        if not out_dir:
-            raise ConfigError("--resume auto looks for checkpoints under train.out_dir, which is empty; set "
-                              "train.out_dir (or give --resume PATH)")
-        return files.latest_checkpoint(out_dir)
-    path = Path(resume)
-    if not path.is_dir():
-        raise ConfigError(f"--resume {resume}: no such checkpoint directory")
-    if not files.is_complete(path):
-        raise ConfigError(f"--resume {resume}: not a complete checkpoint (no {files.COMPLETE} marker or "
-                          f"{files.TRAINER_STATE}: an interrupted save?); use --resume auto or another step")
-    return path
 
 
-def read_trainer_state(path: Path) -> Dict[str, Any]:
-    return json.loads((Path(path) / files.TRAINER_STATE).read_text())
+def _checkpoint_bytes(out_dir: str) -> int:
+    newest = files.latest_checkpoint(out_dir)
+    return sum(p.stat().st_size for p in newest.iterdir() if p.is_file()) if newest is not None else 0
 
 
-def check_compatible(saved: Dict[str, Any], config: Config) -> None:
-    """The model a checkpoint holds must be the configured one: name every differing model field."""
-    saved_model = saved.get("config", {}).get("model", {})
-    current = config.to_dict()["model"]
-    # Fields that do not change the parameters may differ (an implementation, a fused loss).
-    free = {"gdn_impl", "attn_impl", "fused_linear_cross_entropy", "initializer_range"}
-    differing = sorted(k for k in current if k not in free and saved_model.get(k) != current[k])
-    if differing:
-        details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r}, config {current[k]!r}" for k in differing)
-        raise ConfigError(f"the checkpoint holds another model ({details}); resume with the config it was "
-                          f"saved with (its config.yaml) or start a new train.out_dir")
-
-
-def load(path: Path, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims, config: Config,
-         same_layout: Callable[[Dict[str, Any]], bool]) -> Dict[str, Any]:
-    """Load checkpoint `path` into this rank's parameters and optimizer; returns its trainer state.
-    The RNG states are restored when the layout is the same (same ranks)."""
-    saved = read_trainer_state(path)
-    check_compatible(saved, config)
-    targets = targets_to_load(named_params, optimizer, dims)
-    dcp.load(targets, checkpoint_id=str(path))
-    apply_loaded(named_params, optimizer, targets)
-    rng_file = Path(path) / f"rng_rank{_rank()}.pt"
-    if same_layout(saved) and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return saved
+def _gib(count: int) -> str:
+    return f"{count / 2 ** 30:.2f} GiB"

@@ -20,6 +20,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from ..checkpoint.errors import CheckpointError
 from ..config import ConfigError
 from .errors import ConvertError
 from .model_tensors import DTYPES, KEEP
@@ -108,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return run(args)
-    except (ConvertError, ConfigError) as err:
+    except (ConvertError, ConfigError, CheckpointError) as err:
         print(f"gdn-convert {args.command}: error: {err}", file=sys.stderr)
         return USER_ERROR
 

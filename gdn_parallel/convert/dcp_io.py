@@ -17,12 +17,14 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..checkpoint import latest_checkpoint, read_trainer_state
+from ..checkpoint import CheckpointError, latest_checkpoint, read_trainer_state
 from ..checkpoint.files import CHECKPOINTS, COMPLETE, TRAINER_STATE, is_complete
+from ..checkpoint.loading import verify
 from ..checkpoint.manager import checkpoint_record, seal
+from ..checkpoint.reading import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
 from ..checkpoint.state import MODEL, OPTIM
 from ..config import Config
 from .atomic import new_directory
@@ -67,20 +69,18 @@ def _what_it_is(path: Path) -> str:
 
 
 def tensor_entries(path: Path) -> Dict[str, TensorStorageMetadata]:
-    """key -> global shape and dtype of every tensor in the checkpoint; its data files must all exist."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # a torn or foreign .metadata: say which file, not a pickle trace
-        raise ConvertError(f"{path}/.metadata cannot be read as torch.distributed.checkpoint metadata "
-                           f"({type(err).__name__}: {err})") from None
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    data_files = {getattr(info, "relative_path", None) for info in storage.values()} - {None}
+    """key -> global shape and dtype of every tensor in the checkpoint, once it verifies against its
+    checksums; its index is read without running code, and its data files must all exist."""
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError(f"{path} fails verification: {problem}; take another checkpoint")
+    metadata = read_metadata(path)
+    data_files = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()} - {None}
     missing = sorted(name for name in data_files if not (path / name).is_file())
     if missing:
         raise ConvertError(f"{path} is missing data file(s) {missing} that its .metadata lists; copy the whole "
                            f"checkpoint directory")
-    return {key: entry for key, entry in metadata.state_dict_metadata.items()
-            if isinstance(entry, TensorStorageMetadata)}
+    return dict(metadata.state_dict_metadata)
 
 
 def read_tensors(path: Path, entries: Dict[str, TensorStorageMetadata],
@@ -89,17 +89,15 @@ def read_tensors(path: Path, entries: Dict[str, TensorStorageMetadata],
     targets = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
     if targets:
         with _one_process():
-            dcp.load(targets, storage_reader=FileSystemReader(str(path)), no_dist=True)
+            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)), planner=TensorsOnlyLoadPlanner(),
+                     no_dist=True)
     return targets
 
 
 def read_model(path) -> Tuple[Path, Dict[str, torch.Tensor], dict]:
     """(checkpoint, model tensors by single-device name, trainer state) of a checkpoint or run directory."""
     checkpoint = resolve_checkpoint(path)
-    try:
-        saved = read_trainer_state(checkpoint)
-    except ValueError as err:
-        raise ConvertError(f"{checkpoint}/{TRAINER_STATE} is not valid JSON ({err})") from None
+    saved = read_trainer_state(checkpoint)
     if not isinstance(saved.get("config", {}).get("model"), dict):
         raise ConvertError(f"{checkpoint}/{TRAINER_STATE} holds no config.model; it was not written by "
                            f"gdn_parallel's trainer or converter")

@@ -76,11 +76,19 @@ def is_safetensors(path: Path) -> bool:
 def read_header(path: Path) -> Dict[str, dict]:
     """name -> {dtype, shape, data_offsets} of one file (without `__metadata__`)."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
+            if length > size - 8:  # read before allocating: a damaged length asks for exabytes
+                raise ValueError(f"its header length {length:,} exceeds the {size:,}-byte file")
             header = json.loads(fh.read(length))
     except (OSError, struct.error, ValueError) as err:
-        raise ConvertError(f"{path} is not a readable safetensors file ({err})") from None
+        raise ConvertError(f"{path} is not a readable safetensors file (damaged header: {err})") from None
+    if not isinstance(header, dict) or not all(
+            isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)
+            for k, e in header.items() if k != "__metadata__"):
+        raise ConvertError(f"{path} is not a readable safetensors file (damaged header: entries lack dtype, shape "
+                           f"or data_offsets)")
     header.pop("__metadata__", None)
     return header
 

@@ -12,13 +12,22 @@ the warmup is shortened to steps // 10 and a note on stderr says so. A warmup lo
 that the user chose together (both on the command line, or both in the YAML file) is an error
 naming both fields.
 
-Every configuration error (a bad value, an unknown field, a malformed YAML file) exits with status 2
-and a message naming `section.field` (or the file and line) and the fix, before any model or
-process group exists.
+Exit status (each process's; under torchrun, torchrun itself exits 1 when a worker fails and lists
+the workers' statuses), after one line on stderr that says what happened and what to do:
+
+    0  trained (also after SIGTERM/SIGINT: the step in flight finished and a checkpoint was saved)
+    2  refused input: a bad config value, unknown field or malformed YAML file (naming `section.field`
+       or the file and line), data too small for one step, an out_dir holding another run, a
+       checkpoint that fails verification, cannot be read safely or holds another model
+    3  the loss or gradient was not finite train.max_skipped_steps steps in a row: the run stopped
+    4  a file could not be written (a full disk, no permission): the partial checkpoint was removed,
+       the earlier ones are intact
+Anything else is a defect: a traceback, and status 1.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from importlib import resources
 from pathlib import Path
@@ -84,8 +93,15 @@ def load_config(args) -> Config:
     return config.validate()
 
 
+REFUSED, DIVERGED, WRITE_FAILED = 2, 3, 4
+# Errors of a file system, not of the program: reported in one line with WRITE_FAILED.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+
+
 def run(argv: Optional[List[str]] = None) -> dict:
-    """Parse the command line, train (one process or any launcher), and return run_training's summary."""
+    """Parse the command line, train (one process or any launcher), and return run_training's summary.
+    An expected failure ends the process with one line on stderr and its exit status (module docstring)."""
+    from ..checkpoint import CheckpointError, CheckpointWriteError
     from ..runtime.launch_env import strip_launcher_args
     parser = build_parser()
     # DeepSpeed's launcher adds --local_rank=N (its environment carries the same): not ours to parse.
@@ -95,19 +111,36 @@ def run(argv: Optional[List[str]] = None) -> dict:
     except ConfigError as err:
         parser.error(str(err))
     from ..runtime.session import is_launched
-    from .trainer import run_training
+    from .trainer import TrainingDiverged, run_training
     try:
         if not is_launched() and config.parallel.world_size > 1:
             raise ConfigError(f"parallel.tp * pp * cp * dp = {config.parallel.world_size} needs that many "
                               f"processes: launch with torchrun --nproc_per_node={config.parallel.world_size} "
                               f"(or launch/deepspeed.sh, slurm.sbatch, mpirun.sh)")
         return run_training(config, resume=args.resume)
-    except ConfigError as err:
-        parser.error(str(err))
+    except (ConfigError, CheckpointError) as err:
+        _fail(parser, REFUSED, str(err))
+    except TrainingDiverged as err:
+        _fail(parser, DIVERGED, f"stopped: {err}")
+    except CheckpointWriteError as err:
+        _fail(parser, WRITE_FAILED, str(err))
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        _fail(parser, WRITE_FAILED, f"cannot write {err.filename or 'a file'}: {err.strerror or err}")
+
+
+def _fail(parser: argparse.ArgumentParser, status: int, message: str) -> None:
+    """One line on stderr (from the first process only: every rank meets the same error) and `status`."""
+    from ..runtime.launch_env import detect_launch_env
+    launch = detect_launch_env()
+    if launch is None or launch.rank == 0:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Console entry point: 0 on success; configuration errors exit with status 2 and the message."""
+    """Console entry point: 0 on success; an expected failure exits with its status (module docstring)."""
     run(argv)
     return 0
 

@@ -340,9 +340,17 @@ class ProgressLogger:
         ax.grid(alpha=0.3)
         ax.legend()
         path = self.out_dir / "loss.png"
+        partial = path.with_name(path.name + ".partial")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:  # a new picture replaces the old one whole, or not at all (a full disk keeps the last one)
+            fig.savefig(partial, dpi=100, format="png")
+            os.replace(partial, path)
+        except OSError as err:
+            partial.unlink(missing_ok=True)
+            self.say(f"note: {path} not updated ({err.strerror or err})")
+            return None
+        finally:
+            plt.close(fig)
         return path
 
     def close(self, summary: Optional[dict] = None) -> None:

@@ -19,6 +19,7 @@ Returns a summary dict: first_loss, final_loss, val_loss, steps, tokens_per_s, l
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 from pathlib import Path
@@ -27,8 +28,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
+from ..checkpoint import CheckpointSaver, complete_checkpoints, load_checkpoint, read_trainer_state, resolve_resume
+from ..checkpoint import files
 from ..checkpoint.files import CONFIG_COPY, final_path, set_aside_after
+from ..checkpoint.loading import CheckpointDamaged, newest_verifying, nothing_verifies
 from ..checkpoint.manager import layout_record
 from ..config import Config, ConfigError
 from ..data import TokenBatches, check_vocabulary, load_dataset
@@ -70,11 +73,61 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+class TrainingDiverged(FloatingPointError):
+    """train.max_skipped_steps steps in a row had a non-finite loss or gradient: the run stopped."""
+
+
 def run_training(config: Config, print_fn: Optional[Callable[[str], None]] = None,
                  resume: Optional[str] = None) -> dict:
     config.validate()
+    _make_out_dir(config.train.out_dir)
     with process_group(config.train) as (device, _launched):
         return _train(config, device, print_fn, resume)
+
+
+def _make_out_dir(out_dir: str) -> None:
+    """Create train.out_dir on every rank before any group exists: a path that cannot be made (under
+    /proc, a read-only or full file system) fails here, on every rank, naming the field."""
+    if not out_dir:
+        return
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        probe = Path(out_dir) / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"train.out_dir={out_dir!r} cannot be written ({err.strerror or err}); choose a directory "
+                          f"you can write (or '' to write nothing)") from None
+
+
+def _check_data_size(dataset, config: Config) -> None:
+    """One optimizer step must fit in the corpus: a smaller one would be repeated within every step."""
+    train = config.train
+    needed = config.parallel.dp * train.batch_size * train.seq_len
+    have = dataset.train.num_tokens
+    if have < needed:
+        raise ConfigError(f"data.source={config.data.source!r} has {have:,} training tokens; one optimizer step "
+                          f"takes parallel.dp x train.batch_size x train.seq_len = {config.parallel.dp} x "
+                          f"{train.batch_size} x {train.seq_len} = {needed:,}: give more data, or lower "
+                          f"train.seq_len or train.batch_size")
+
+
+def _resume_point(resume: Optional[str], config: Config, say) -> Optional[Path]:
+    """The checkpoint to resume (verified; a collective), after the checks that need no model: a run
+    already at train.steps, and a fresh run into an out_dir that holds another run's checkpoints."""
+    train = config.train
+    if not resume and train.out_dir and complete_checkpoints(train.out_dir):
+        newest = complete_checkpoints(train.out_dir)[-1]
+        raise ConfigError(f"train.out_dir={train.out_dir!r} already holds checkpoints (newest {newest.name}); "
+                          f"continue that run with --resume auto, or start over in a new train.out_dir (or "
+                          f"delete {newest.parent})")
+    checkpoint = resolve_resume(resume, train.out_dir, say)
+    if checkpoint is not None:
+        step = read_trainer_state(checkpoint)["step"]
+        if step >= train.steps:
+            raise ConfigError(f"the checkpoint {checkpoint} is at step {step} and train.steps={train.steps}: "
+                              f"nothing is left to train; raise train.steps (e.g. --steps {step + 1000}) to go on")
+    return checkpoint
 
 
 def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
@@ -96,6 +149,8 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
 
     check_vocabulary(config.data, config.model.vocab_size)  # the data's largest id, from its metadata
     dataset = load_dataset(config.data)
+    _check_data_size(dataset, config)
+    checkpoint = _resume_point(resume, config, say)
     dims = build_mesh(pc, device.type)
     with torch.device("meta"):  # the whole model's size and work, without its memory
         skeleton = HybridLM(config.model)
@@ -136,13 +191,11 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
         (Path(train.out_dir) / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
 
     start_step = 0
-    checkpoint = resolve_resume(resume, train.out_dir)
     if resume and checkpoint is None:
         say(f"resume | no checkpoint under {train.out_dir}/checkpoints yet: starting from step 0")
     if checkpoint is not None:
         here = layout_record(config, world)
-        saved = load_checkpoint(checkpoint, parallel.named_parameters(), optimizer, dims, config,
-                                same_layout=lambda s: s.get("layout") == here)
+        checkpoint, saved = _load(checkpoint, resume, parallel, optimizer, dims, config, say)
         start_step = int(saved["step"])
         batches.load_state_dict(saved["data"]["stream"])
         say(f"resume | {checkpoint} | step {start_step}" + ("" if saved.get("layout") == here
@@ -235,10 +288,29 @@ def _skip(logger, say, step, loss, grad_norm, in_row: int, limit: int) -> None:
     say(f"skip  | step {step}: non-finite ({reason}); nothing applied ({in_row} in a row, limit {limit})")
     logger.record({"step": step, "skipped_step": True, "reason": reason})
     if in_row >= limit:
-        raise FloatingPointError(
+        raise TrainingDiverged(
             f"{in_row} steps in a row had a non-finite loss or gradient (last: step {step}, {reason}); stopping. "
             f"Lower train.lr or raise train.warmup_steps, check train.dtype, or resume from the last checkpoint "
             f"with --resume auto")
+
+
+def _load(checkpoint: Path, resume: str, parallel, optimizer, dims, config: Config, say):
+    """(checkpoint, its trainer state) loaded into the model and optimizer. Under --resume auto a
+    checkpoint whose data fails the verification made while it loads is passed over, said, and the
+    next older one that verifies is loaded instead (over what was loaded)."""
+    here = layout_record(config, dist.get_world_size())
+    while True:
+        try:
+            return checkpoint, load_checkpoint(checkpoint, parallel.named_parameters(), optimizer, dims, config,
+                                               same_layout=lambda saved: saved.get("layout") == here)
+        except CheckpointDamaged as damaged:
+            if resume != "auto":
+                raise
+            say(f"resume | {checkpoint} fails verification ({damaged.problem}): passed over")
+            older = newest_verifying(Path(config.train.out_dir), before=files.step_of(checkpoint))
+            if older is None:
+                raise nothing_verifies(config.train.out_dir) from None
+            checkpoint = older
 
 
 def _roll_back(out_dir: str, step: int, say) -> None:

@@ -3,6 +3,8 @@ written: features fla's format cannot express, missing shards, vocabulary and co
 unknown formats, incomplete checkpoints, existing outputs."""
 import dataclasses
 import json
+import random
+import struct
 import shutil
 
 import pytest
@@ -139,7 +141,7 @@ def test_unknown_formats_and_incomplete_checkpoints(hybrid_checkpoint, tmp_path,
     (incomplete / "COMPLETE").write_text("")
     for data_file in incomplete.glob("*.distcp"):
         data_file.unlink()
-    fails(capsys, ["to-torch", str(incomplete), str(tmp_path / "x.pt")], "missing data file", ".distcp")
+    fails(capsys, ["to-torch", str(incomplete), str(tmp_path / "x.pt")], "fails verification", "__0_0.distcp: missing")
     assert nothing_written(tmp_path, "x") and nothing_written(tmp_path, "x.pt")
 
 
@@ -162,3 +164,21 @@ def test_a_conversion_that_fails_midway_leaves_nothing(hybrid_checkpoint, tmp_pa
     with pytest.raises(OSError, match="disk full"):
         commands.to_hf(hybrid_checkpoint, tmp_path / "new" / "parents" / "hf")
     assert list(tmp_path.iterdir()) == []   # no folder, no temporary, no parent it created
+
+
+def test_a_safetensors_header_length_past_the_file_is_named_not_allocated(hybrid_checkpoint, tmp_path, capsys):
+    """A damaged header length (here 2**62) used to be read as asked: a MemoryError."""
+    assert main(["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")]) == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", 2 ** 62) + weights.read_bytes()[8:])
+    fails(capsys, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "x")], str(weights), "damaged header",
+          "exceeds the")
+    assert nothing_written(tmp_path, "x")
+
+
+@pytest.mark.parametrize("seed", [0, 2, 20])   # unpickling these bytes fails with UnpicklingError, IndexError, KeyError
+def test_random_bytes_as_a_torch_file_are_named(tmp_path, capsys, seed):
+    """Random bytes used to end in a traceback (IndexError, KeyError) from the unpickler."""
+    noise = tmp_path / "noise.pt"
+    noise.write_bytes(random.Random(seed).randbytes(4096))
+    fails(capsys, ["from-torch", str(noise), str(tmp_path / "x")], str(noise), "is not a torch file of tensors")

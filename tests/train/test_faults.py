@@ -48,10 +48,14 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(tmp_path, monkeypatch)
         assert torch.equal(value, after[name]), name
 
 
-def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
+    """The stop is one line on stderr and exit status 3, no traceback."""
     poison_steps(monkeypatch, {1, 2})
-    with pytest.raises(FloatingPointError, match="2 steps in a row"):
+    with pytest.raises(SystemExit) as stop:
         run(["--steps", "5", *BASE, "--set", f"train.out_dir={tmp_path}", "--set", "train.max_skipped_steps=2"])
+    assert stop.value.code == 3
+    err = capsys.readouterr().err
+    assert err.startswith("gdn-train: error: stopped: 2 steps in a row had a non-finite loss") and err.count("\n") == 1
 
 
 def test_asynchronous_saves_are_published_and_old_ones_pruned(tmp_path):

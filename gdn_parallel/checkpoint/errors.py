@@ -1,0 +1,12 @@
+"""What goes wrong with checkpoints, as the command line reports it (gdn_parallel/train/__main__.py
+maps each to its exit status)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is (damaged, foreign, of another run): refused before
+    anything is loaded from it; the message names the file and what to do."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, no permission): the partial one is removed and
+    the earlier ones are intact; the message names the path, the space needed and free."""

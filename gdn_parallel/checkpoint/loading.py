@@ -1,0 +1,238 @@
+"""Finding and loading a checkpoint that may be damaged or come from elsewhere.
+
+Before anything is loaded, a checkpoint is verified against the checksums recorded when it was
+written (integrity.py; each rank checks a share of the files), its index is read without running
+code (reading.py) and must hold every tensor the model and optimizer need, at their shapes. Every
+refusal is a CheckpointError that names the file and the newest checkpoint that verifies, raised on
+every rank alike (a collective). `--resume auto` passes over checkpoints that fail verification,
+saying so, and takes the newest that passes.
+"""
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+
+from ..config import Config, ConfigError
+from . import files, integrity, ranks
+from .errors import CheckpointError
+from .reading import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
+from .state import apply_loaded, targets_to_load
+
+
+def _is_data(name: str) -> bool:
+    return name.endswith(".distcp")
+
+
+def _local_damage(path: Path, recorded: Optional[Dict[str, dict]], data: bool) -> Optional[str]:
+    """The first problem in this rank's share of the checkpoint's files: the small ones (index, state,
+    RNG, config), or the tensor data files (`data`)."""
+    if recorded is None:
+        return None
+    names = [name for name in sorted(recorded) if _is_data(name) == data]
+    damage = integrity.find_damage(Path(path), names[ranks.rank()::ranks.world()], recorded)
+    return str(damage[0]) if damage else None
+
+
+def _first(problem: Optional[str]) -> Optional[str]:
+    """The lowest rank's problem, the same on every rank (a collective)."""
+    found = [p for p in ranks.gathered(problem) if p]
+    return found[0] if found else None
+
+
+def _manifest(path: Path) -> Tuple[Optional[Dict[str, dict]], Optional[str]]:
+    try:
+        return integrity.read_manifest(path), None
+    except ValueError as err:   # every rank reads the same file: the same answer everywhere
+        return None, str(err)
+
+
+def verify(path: Path, data: bool = True) -> Optional[str]:
+    """None when checkpoint `path` matches its recorded checksums (or records none: written before
+    they existed), else what is wrong, e.g. "__1_0.distcp: checksum mismatch (...)". `data=False`
+    checks all but the tensor data files (quick: what is read before the tensors). A collective."""
+    recorded, problem = _manifest(path)
+    if problem is not None:
+        return problem
+    return _first(_local_damage(path, recorded, data=False)) or (
+        _first(_local_damage(path, recorded, data=True)) if data else None)
+
+
+def nothing_verifies(out_dir: str) -> CheckpointError:
+    count = len(files.complete_checkpoints(out_dir))
+    return CheckpointError(f"--resume auto: none of the {count} checkpoint(s) under {files.checkpoints_dir(out_dir)} "
+                           f"verifies (listed above); restore one from a copy, or start a new run in another "
+                           f"train.out_dir")
+
+
+class CheckpointDamaged(CheckpointError):
+    """The tensor data of a checkpoint fails verification (found while it was being loaded)."""
+
+    def __init__(self, path: Path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"{path} fails verification: {problem}; {_alternative(Path(path))}")
+
+
+def newest_verifying(out_dir: Path, before: Optional[int] = None) -> Optional[Path]:
+    """The newest complete checkpoint under out_dir (older than step `before`) that verifies."""
+    for path in reversed(files.complete_checkpoints(str(out_dir))):
+        if before is not None and files.step_of(path) >= before:
+            continue
+        if verify(path) is None:
+            return path
+    return None
+
+
+def resolve_resume(resume: Optional[str], out_dir: str, say: Callable[[str], None] = lambda line: None
+                   ) -> Optional[Path]:
+    """`--resume auto`: the newest complete checkpoint under out_dir whose small files verify (None
+    when there is none yet; those that fail are passed over, said with `say`); `--resume PATH`: that
+    checkpoint, which must be complete and verify so. Its data files are verified by `load`. A
+    collective (verification)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        if not out_dir:
+            raise ConfigError("--resume auto looks for checkpoints under train.out_dir, which is empty; set "
+                              "train.out_dir (or give --resume PATH)")
+        found = files.complete_checkpoints(out_dir)
+        for path in reversed(found):
+            problem = verify(path, data=False)   # the data files are verified while they load
+            if problem is None:
+                return path
+            say(f"resume | {path} fails verification ({problem}): passed over")
+        if found:
+            raise nothing_verifies(out_dir)
+        return None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"--resume {resume}: no such checkpoint directory")
+    if not files.is_complete(path):
+        raise ConfigError(f"--resume {resume}: not a complete checkpoint (no {files.COMPLETE} marker or "
+                          f"{files.TRAINER_STATE}: an interrupted save?); use --resume auto or another step")
+    problem = verify(path, data=False)   # the data files are verified while they load
+    if problem is not None:
+        raise CheckpointError(f"--resume {resume} fails verification: {path}/{problem}; {_alternative(path)}")
+    return path
+
+
+def _alternative(path: Path) -> str:
+    """Where to resume instead of a damaged checkpoint of a run: the newest earlier one that verifies."""
+    step = files.step_of(path)
+    if step is None or path.parent.name != files.CHECKPOINTS:
+        return "take another checkpoint"
+    newest = newest_verifying(path.parent.parent, before=step)
+    return (f"the newest earlier checkpoint that verifies is {newest} (--resume {newest})" if newest is not None
+            else f"no earlier checkpoint of {path.parent.parent} verifies")
+
+
+def read_trainer_state(path: Path) -> Dict[str, Any]:
+    """trainer_state.json of checkpoint `path`, checked for the entries resuming reads."""
+    file = Path(path) / files.TRAINER_STATE
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} cannot be read as JSON ({type(err).__name__}: {err}); the checkpoint is "
+                              f"damaged: take another one") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("step"), int) and isinstance(saved.get("config"), dict)
+            and isinstance(saved.get("data", {}).get("stream"), dict)):
+        raise CheckpointError(f"{file} lacks the step, config or data position a gdn_parallel checkpoint records")
+    return saved
+
+
+def check_compatible(saved: Dict[str, Any], config: Config) -> None:
+    """The model a checkpoint holds must be the configured one: name every differing model field."""
+    saved_model = saved.get("config", {}).get("model", {})
+    current = config.to_dict()["model"]
+    # Fields that do not change the parameters may differ (an implementation, a fused loss).
+    free = {"gdn_impl", "attn_impl", "fused_linear_cross_entropy", "initializer_range"}
+    differing = sorted(k for k in current if k not in free and saved_model.get(k) != current[k])
+    if differing:
+        details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r}, config {current[k]!r}" for k in differing)
+        raise ConfigError(f"the checkpoint holds another model ({details}); resume with the config it was "
+                          f"saved with (its config.yaml) or start a new train.out_dir")
+
+
+def _check_index(path: Path, targets: Dict[str, torch.Tensor]) -> None:
+    """Every tensor to load is in the checkpoint's index at its global shape (else name them)."""
+    entries = read_metadata(path).state_dict_metadata
+    missing = sorted(key for key in targets if key not in entries)
+    if missing:
+        raise CheckpointError(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs "
+                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); the checkpoint is "
+                              f"incomplete: take another one")
+    wrong = [f"{key}: {tuple(entries[key].size)} saved, {tuple(t.shape)} here" for key, t in targets.items()
+             if tuple(entries[key].size) != tuple(t.shape)]
+    if wrong:
+        raise CheckpointError(f"{path} holds tensors of other shapes ({'; '.join(wrong[:3])}); it is not a "
+                              f"checkpoint of this model")
+
+
+def load(path: Path, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims, config: Config,
+         same_layout: Callable[[Dict[str, Any]], bool]) -> Dict[str, Any]:
+    """Load checkpoint `path` into this rank's parameters and optimizer; returns its trainer state.
+    The RNG states are restored when the layout is the same (same ranks). A collective.
+
+    The tensor data files are verified while DCP reads them (a thread, this rank's share of the
+    files): whichever reads a page first brings it into the page cache for the other. Verifying
+    first made a cold load of a 1.3B checkpoint (14.8 GiB, H100 host) 20% slower, alongside 0.9%
+    (docs/reliability.md). Raises CheckpointDamaged when they do not verify; what
+    was loaded is then not to be used (the caller loads another checkpoint or stops)."""
+    recorded, problem = _manifest(path)
+    problem = problem or _first(_local_damage(path, recorded, data=False))
+    if problem is not None:
+        raise CheckpointDamaged(path, problem)
+    saved = read_trainer_state(path)
+    check_compatible(saved, config)
+    targets = targets_to_load(named_params, optimizer, dims)
+    _check_index(Path(path), targets)
+    failure = None
+    with ThreadPoolExecutor(1) as pool:
+        checking = pool.submit(_local_damage, path, recorded, True)
+        try:
+            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)), planner=TensorsOnlyLoadPlanner())
+        except (Exception, CheckpointException) as err:   # DCP raises on every rank, with every rank's cause
+            failure = err
+        problem = _first(checking.result())
+    if problem is not None:
+        raise CheckpointDamaged(path, problem)
+    if failure is not None:
+        raise CheckpointError(f"reading the tensors of {path} failed ({ranks.describe(failure)}); a data file is "
+                              f"damaged: take another checkpoint") from None
+    apply_loaded(named_params, optimizer, targets)
+    # The generators continue where they were under the same ranks; converted checkpoints have none.
+    rng_file = Path(path) / f"rng_rank{ranks.rank()}.pt"
+    restore = same_layout(saved) and rng_file.is_file()
+    ranks.agree(lambda: set_rng_state(_read_rng(rng_file)) if restore else None, CheckpointError)
+    return saved
+
+
+def _read_rng(file: Path) -> dict:
+    """A rank's RNG states, read as plain data and tensors (torch's weights_only loader)."""
+    try:
+        state = torch.load(file, weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{file} is not an RNG state file that can be read safely ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]})") from None
+    ok = (isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor)
+          and isinstance(state.get("python"), tuple))
+    if not ok:
+        raise CheckpointError(f"{file} does not hold the torch and python RNG states")
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    try:
+        random.setstate(state["python"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"the saved Python RNG state is malformed ({err})") from None
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,105 @@
+"""Reading a checkpoint that may come from anywhere without running code from it.
+
+torch.distributed.checkpoint keeps its index in `.metadata`, a pickle, and would unpickle a
+non-tensor entry with `torch.load(weights_only=False)`: a checkpoint from a shared bucket or a hub
+could run anything on `--resume`. Here the index is unpickled by an unpickler that admits only the
+classes DCP's index is made of (`METADATA_GLOBALS`), and then checked for the form our checkpoints
+have: every entry a tensor, every data file a plain file name inside the checkpoint, no storage
+transforms. Tensor data itself is read by DCP with `torch.load(weights_only=True)`, and a planner
+that refuses non-tensor items keeps it that way. Every failure is a CheckpointError naming the file.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from .errors import CheckpointError
+
+METADATA_FILE = ".metadata"
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = frozenset({
+    *((_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "TensorProperties",
+                                         "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                         "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),     # a layout by its name, e.g. "torch.strided"
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a checkpoint index does not hold "
+                                     f"(loading it could run code)")
+
+
+def read_metadata(path) -> Metadata:
+    """The DCP index of checkpoint `path`, read without running code and checked (module docstring)."""
+    file = Path(path) / METADATA_FILE
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{file} cannot be read ({err.strerror or err}); the checkpoint is incomplete: "
+                              f"copy the whole directory or take another checkpoint") from None
+    try:
+        metadata = _IndexUnpickler(io.BytesIO(data)).load()
+    except Exception as err:  # a torn file ends in any of several errors: name the file, not the pickle
+        raise CheckpointError(f"{file} is not a checkpoint index that can be read safely ({type(err).__name__}: "
+                              f"{err}); the file is damaged or was not written by torch.distributed.checkpoint") \
+            from None
+    _check_form(metadata, file)
+    return metadata
+
+
+def _check_form(metadata: Any, file: Path) -> None:
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{file} does not hold a torch.distributed.checkpoint index")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{file}: entry {key!r} is a {type(entry).__name__}, not a tensor; gdn_parallel "
+                                  f"checkpoints hold tensors only (other entries would be unpickled)")
+    if not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{file} has no storage table")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _DATA_FILE.match(name):
+            raise CheckpointError(f"{file} points at the data file {name!r}; only __<rank>_<n>.distcp files inside "
+                                  f"the checkpoint are read")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{file} asks for storage transforms {info.transform_descriptors}; gdn_parallel "
+                                  f"checkpoints are written without any")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the index read by `read_metadata` above."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path}: per-rank indexes (written without collectives) are not read")
+        metadata = read_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, refusing a non-tensor item instead of unpickling it."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"the checkpoint holds a non-tensor entry {read_item.dest_index.fqn!r}; it is not "
+                              f"unpickled")

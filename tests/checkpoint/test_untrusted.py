@@ -1,0 +1,138 @@
+"""Checkpoints from elsewhere: resuming never runs code from them, and damage is named, never half-read.
+
+A pickle whose unpickling would create a marker file is planted in each file a checkpoint holds; the
+checksums are then rewritten to match (as whoever planted it could), or removed (a checkpoint from
+before checksums). Every resume is refused with the file named, and the marker never appears.
+Damage without forgery (flipped bytes, truncation, a missing file) fails verification naming the
+file; `--resume auto` passes over such a checkpoint, saying so, and takes the newest that verifies.
+"""
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdn_parallel.checkpoint import integrity
+from gdn_parallel.checkpoint.files import TRAINER_STATE
+from gdn_parallel.train.__main__ import run
+
+BASE = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "train.batch_size=2",
+        "--set", "train.log_every=1", "--set", "train.eval_rows=2", "--set", "train.warmup_steps=1"]
+
+
+class Planted:
+    """Unpickling this creates the file `marker` (it would be any code)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def train(out_dir: Path, steps: int, *extra: str, resume: str = None) -> dict:
+    argv = ["--steps", str(steps), *BASE, "--set", f"train.out_dir={out_dir}", *extra]
+    return run(argv + (["--resume", resume] if resume else []))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A run with checkpoints at steps 2 and 4."""
+    out_dir = tmp_path_factory.mktemp("saved")
+    train(out_dir, 4, "--set", "checkpoint.interval=2")
+    return out_dir
+
+
+def copy_run(saved: Path, tmp_path: Path) -> Path:
+    out_dir = tmp_path / "run"
+    shutil.copytree(saved, out_dir)
+    return out_dir
+
+
+def refused(capsys, out_dir: Path, resume: str, steps: int = 6) -> str:
+    with pytest.raises(SystemExit) as stop:
+        train(out_dir, steps, resume=resume)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gdn-train: error: ") and err.count("\n") == 1, err   # one line, no traceback
+    return err
+
+
+def reseal(checkpoint: Path) -> None:
+    """Rewrite checksums.json to match the files as they are now (what a forger would do)."""
+    recorded = integrity.read_manifest(checkpoint)
+    integrity.write_manifest(checkpoint, integrity.checksums(checkpoint, sorted(recorded)))
+
+
+@pytest.mark.parametrize("manifest", ["forged", "absent"])
+@pytest.mark.parametrize("victim", [".metadata", "rng_rank0.pt", "__0_0.distcp", TRAINER_STATE])
+def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(saved, tmp_path, capsys, victim, manifest):
+    out_dir = copy_run(saved, tmp_path)
+    checkpoint = out_dir / "checkpoints" / "step_4"
+    marker = tmp_path / "code-ran"
+    if victim == "rng_rank0.pt":   # torch.save's format, as the real file has
+        torch.save({"torch": torch.get_rng_state(), "python": Planted(marker)}, checkpoint / victim)
+    else:
+        (checkpoint / victim).write_bytes(pickle.dumps(Planted(marker)))
+    if manifest == "forged":
+        reseal(checkpoint)
+    else:
+        (checkpoint / integrity.MANIFEST).unlink()
+    err = refused(capsys, out_dir, str(checkpoint))
+    assert not marker.exists(), "code from the checkpoint ran"
+    named = {".metadata": ".metadata", "rng_rank0.pt": "rng_rank0.pt", TRAINER_STATE: TRAINER_STATE,
+             "__0_0.distcp": "data file"}[victim]
+    assert str(checkpoint) in err and named in err, err
+
+
+def flip_bytes(path: Path, count: int = 8) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(count):
+        data[middle + i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped": lambda p: flip_bytes(p / "__0_0.distcp"),
+    "truncated": lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes()[:1000]),
+    "missing": lambda p: (p / "rng_rank0.pt").unlink(),
+    "torn state": lambda p: (p / TRAINER_STATE).write_text((p / TRAINER_STATE).read_text()[:50]),
+    "torn index": lambda p: (p / ".metadata").write_bytes((p / ".metadata").read_bytes()[:100]),
+    "torn checksums": lambda p: (p / integrity.MANIFEST).write_text("{"),
+}
+EXPECTED = {"flipped": "__0_0.distcp: checksum mismatch", "truncated": "__0_0.distcp: 1000 bytes",
+            "missing": "rng_rank0.pt: missing", "torn state": f"{TRAINER_STATE}: ",
+            "torn index": ".metadata: ", "torn checksums": "checksums.json cannot be read"}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_is_named_and_resume_auto_takes_the_newest_checkpoint_that_verifies(saved, tmp_path, capsys, kind):
+    out_dir = copy_run(saved, tmp_path)
+    damaged = out_dir / "checkpoints" / "step_4"
+    DAMAGE[kind](damaged)
+    err = refused(capsys, out_dir, str(damaged))
+    assert f"{damaged} fails verification" in err and EXPECTED[kind] in err, err
+    assert f"the newest earlier checkpoint that verifies is {out_dir / 'checkpoints' / 'step_2'}" in err, err
+    summary = train(out_dir, 5, resume="auto")
+    assert summary["start_step"] == 2
+    printed = capsys.readouterr().out
+    assert f"resume | {damaged} fails verification (" in printed and "passed over" in printed, printed
+
+
+def test_a_checkpoint_whose_checksums_all_fail_is_not_resumed(saved, tmp_path, capsys):
+    out_dir = copy_run(saved, tmp_path)
+    for step in (2, 4):
+        flip_bytes(out_dir / "checkpoints" / f"step_{step}" / "__0_0.distcp")
+    err = refused(capsys, out_dir, "auto")
+    assert "none of the 2 checkpoint(s)" in err and "verifies" in err, err
+
+
+def test_checksums_are_recorded_for_every_file(saved):
+    checkpoint = saved / "checkpoints" / "step_4"
+    recorded = integrity.read_manifest(checkpoint)
+    on_disk = {p.name for p in checkpoint.iterdir()} - {integrity.MANIFEST, "COMPLETE"}
+    assert set(recorded) == on_disk and {".metadata", "__0_0.distcp", "rng_rank0.pt", TRAINER_STATE} <= on_disk
+    assert json.loads((checkpoint / integrity.MANIFEST).read_text())["version"] == integrity.MANIFEST_VERSION
