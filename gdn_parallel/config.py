@@ -156,6 +156,9 @@ TRAIN_RULES: Tuple[Rule, ...] = (
      "must be a number >= 0: one device's peak TFLOP/s for MFU (0: look it up)"),
     ("max_skipped_steps", _at_least(1),
      "must be >= 1: non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3"),
+    ("collective_timeout_s", lambda value: 1.0 <= value <= 86400.0,
+     "must be a number of seconds in [1, 86400]: how long a rank waits for its peers in one collective before "
+     "failing; keep it above the slowest first step (Triton compilation on CUDA: about 3 minutes), e.g. 600"),
 )
 
 CHECKPOINT_RULES: Tuple[Rule, ...] = (
@@ -367,6 +370,13 @@ class TrainConfig:
     peak_tflops: float = 0.0     # per device, for MFU; 0: look up CUDA devices, none on CPU
     activation_checkpointing: str = "none"   # selective: the MLP branches; full: whole blocks
     max_skipped_steps: int = 3   # a non-finite loss or gradient skips the step; this many in a row stop the run
+    # Seconds a rank waits for its peers, in one collective or in joining the process group, before it
+    # fails: a dead or stuck peer then ends the job (or torchrun --max-restarts restarts it) instead of
+    # hanging it. It must outlast the longest wait of a healthy job: on CUDA the first steps compile and
+    # autotune the Triton kernels (about 3 minutes on an H100) while the other ranks wait in a
+    # collective, and a checkpoint save waits for the slowest rank's writes. 600 s leaves room for both
+    # and is NCCL's own default; torch's gloo default (30 min) is how long the observed hangs would last.
+    collective_timeout_s: float = 600.0
 
     def validate(self) -> None:
         _check_fields(self, "train", TRAIN_RULES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -93,7 +94,7 @@ class CheckpointSaver:
     save is published (renamed complete) once it has finished, at the latest by the next save or by
     `finish()`. Old complete checkpoints beyond `keep` are deleted as new ones are published."""
 
-    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False):
+    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False, timeout: Optional[timedelta] = None):
         self.out_dir, self.keep, self.async_save = out_dir, keep, async_save
         self._pending: Optional[Tuple[Any, int, dict, Config]] = None   # an async save: future, step, record, config
         self.published: List[Path] = []
@@ -102,8 +103,9 @@ class CheckpointSaver:
         # interleave differently on each rank: tp = 2 deadlocked, dp = 2 aborted with a gloo
         # "collective mismatch". So it gets a group of its own, on gloo (it exchanges Python objects
         # of staged CPU copies; also when training runs on NCCL). Every rank builds the saver, so
-        # every rank takes part in creating the group.
-        self._save_group = (dist.new_group(backend="gloo")
+        # every rank takes part in creating the group. A new group does not inherit the default
+        # group's timeout: it is given the run's.
+        self._save_group = (dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
                             if async_save and dist.is_initialized() and dist.get_world_size() > 1 else None)
 
     def save(self, step: int, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims, config: Config,

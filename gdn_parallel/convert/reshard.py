@@ -11,6 +11,7 @@ the checkpoint is saved again from this layout (CheckpointSaver: <out>/checkpoin
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -116,7 +117,7 @@ def _check_out(out_dir: str, source: Path, step: int) -> None:
 def _reshard(source: Path, saved: dict, config: Config, device, out_dir, report, print_fn) -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     pc = config.parallel
-    dims = build_mesh(pc, device.type)
+    dims = build_mesh(pc, device.type, timedelta(seconds=config.train.collective_timeout_s))
     parts = parts_of_rank(config.model, pc, dims.rank("pp"), config.train.seq_len)
     model = build_model(config.model, device, config.train.seed, keep=parts.__contains__)
     parallel = parallelize(model, dims, pc, device=device, seq_len=config.train.seq_len)

@@ -3,7 +3,7 @@
     env = detect_launch_env()                  # None: one plain process
     argv = strip_launcher_args(sys.argv[1:])   # DeepSpeed's --local_rank=N is not the trainer's option
     if env is not None:
-        device = init_distributed(env)         # RANK, WORLD_SIZE, ... -> os.environ; init_process_group
+        device = init_distributed(env, config.train.collective_timeout_s)  # exports RANK, ...; init_process_group
 
 Launchers, in order of precedence (the first whose variables are present wins):
 
@@ -31,6 +31,10 @@ its first detect_launch_env; later calls reuse the answer), else it fails asking
 other launchers' port defaults to 29500.
 
 A launch of a single process (world size 1) is a plain single process: detect_launch_env returns None.
+
+Under torchrun the group meets in the agent's store through a prefix of its own per restart
+(TORCHELASTIC_RESTART_COUNT): the agent keeps its store's keys from one restart to the next, and a
+restarted group must not read the addresses of the group it replaces (_store_of_this_attempt).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 
 DEFAULT_MASTER_PORT = 29500
 # Slurm's default port: SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, below Linux's ephemeral ports (32768+).
@@ -110,16 +114,62 @@ def export_launch_env(env: LaunchEnv) -> None:
                       MASTER_PORT=str(env.master_port))
 
 
-def init_distributed(env: LaunchEnv, timeout_s: float = 1800.0) -> torch.device:
+class GroupJoinError(RuntimeError):
+    """This rank could not form the process group with its peers within the timeout; the message says
+    which rank, where it waited, and what to do."""
+
+
+def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_timeout_s) -> torch.device:
     """Join the process group of env: NCCL with GPU local_rank when CUDA is available, else gloo on the
-    CPU. Returns this process's device. timeout_s bounds every collective, start-up included."""
+    CPU. Returns this process's device. timeout_s (train.collective_timeout_s) bounds every collective
+    of the group, joining it included; a join that fails raises GroupJoinError."""
     export_launch_env(env)
     cuda = torch.cuda.is_available()
     device = _cuda_device(env) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
+    try:
+        store = _store_of_this_attempt(env, timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    except RuntimeError as err:  # the store's and the backends' errors (torch.distributed.DistError, gloo's)
+        raise GroupJoinError(f"{env}: could not join the process group within train.collective_timeout_s="
+                             f"{timeout_s:g} s: {err}\n{restart_advice()}") from err
     return device
+
+
+def restart_advice() -> str:
+    """What a user can do after a rank of this job failed, and what torchrun does next by itself."""
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    cause = ("A peer process ended (killed, crashed, out of memory) or is stuck: the first error in the other "
+             "ranks' output is the cause.")
+    if _is_int(restarts) and _is_int(limit) and int(restarts) < int(limit):
+        return (f"{cause} torchrun now restarts every rank (restart {int(restarts) + 1} of --max-restarts={limit}); "
+                f"with --resume auto the job continues from the newest checkpoint under train.out_dir.")
+    return (f"{cause} Start the job again with --resume auto to continue from the newest checkpoint under "
+            f"train.out_dir (torchrun --max-restarts=N does that by itself).")
+
+
+# torchrun's agent hosts the TCPStore its workers meet in (TORCHELASTIC_USE_AGENT_STORE=True) and keeps it,
+# keys included, from one restart to the next, under both its static and its c10d rendezvous; torch's
+# env:// joins it without a per-attempt prefix (torch 2.13). A restarted worker could then read the
+# previous attempt's gloo addresses (or NCCL id) before its new peer overwrote them: connectFullMesh failed
+# with "Connection refused" (a lost restart) or waited in Pair::waitUntilConnected for the whole timeout.
+AGENT_STORE_PREFIX = "gdn_parallel/restart_{}/"
+
+
+def _store_of_this_attempt(env: LaunchEnv, timeout: timedelta) -> Optional[dist.Store]:
+    """torchrun's store seen through a prefix of its own per restart (TORCHELASTIC_RESTART_COUNT: one
+    count per agent, the same for the ranks it restarts together), or None outside torchrun (env://)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    restart, _ = _Reader(os.environ, env.launcher).int("TORCHELASTIC_RESTART_COUNT", default=0)
+    agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(AGENT_STORE_PREFIX.format(restart), agent_store)
 
 
 def expand_hostlist(hostlist: str) -> List[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Iterator, Tuple
@@ -17,9 +18,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-
-# A rank stuck on a peer (one that died mid-relay, say) fails after this instead of hanging.
-GROUP_TIMEOUT = timedelta(minutes=30)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,27 +42,49 @@ def is_launched() -> bool:
 
 @contextlib.contextmanager
 def process_group(train_config) -> Iterator[Tuple[torch.device, bool]]:
-    """(device, launched): the group this process trains in is open inside the block."""
+    """(device, launched): the group this process trains in is open inside the block. Its collectives,
+    joining it included, wait train.collective_timeout_s for a peer before failing; a communication
+    failure inside the block is raised with a note saying what happened and what to do."""
     if dist.is_initialized():  # given by the caller: use it, leave it open
         yield _device_of_group(train_config), dist.get_world_size() > 1
         return
-    from .launch_env import detect_launch_env, init_distributed
+    from .launch_env import detect_launch_env, init_distributed, restart_advice
+    timeout_s = train_config.collective_timeout_s
     env = detect_launch_env()
     if env is not None and env.world_size > 1:
-        device = init_distributed(env)
+        device = init_distributed(env, timeout_s)
         launched = True
     else:
         device = resolve_device(train_config.device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=GROUP_TIMEOUT)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
         launched = False
     try:
         yield device, launched
         _settle_collectives()
+    except RuntimeError as err:
+        if launched and is_communication_failure(err):
+            _add_note(err, f"rank {dist.get_rank()}: a collective with the other ranks failed (a peer ended, or did "
+                           f"not answer within train.collective_timeout_s={timeout_s:g} s). {restart_advice()}")
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def is_communication_failure(err: BaseException) -> bool:
+    """Whether err is torch.distributed's (store, backend, network) or gloo's transport reporting a peer
+    that closed its connection or did not answer in time (gloo raises a plain RuntimeError)."""
+    return isinstance(err, dist.DistError) or "gloo/transport" in str(err)
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    if hasattr(err, "add_note"):  # Python 3.11+: printed under the traceback
+        err.add_note(note)
+    else:
+        print(note, file=sys.stderr, flush=True)
 
 
 # Long enough for a runnable thread to be scheduled on a loaded machine; paid once per job.

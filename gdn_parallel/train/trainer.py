@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -151,7 +152,7 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     dataset = load_dataset(config.data)
     _check_data_size(dataset, config)
     checkpoint = _resume_point(resume, config, say)
-    dims = build_mesh(pc, device.type)
+    dims = build_mesh(pc, device.type, timedelta(seconds=train.collective_timeout_s))
     with torch.device("meta"):  # the whole model's size and work, without its memory
         skeleton = HybridLM(config.model)
     flops_per_token = float(skeleton.flops_per_token(train.seq_len))
@@ -201,7 +202,8 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
         say(f"resume | {checkpoint} | step {start_step}" + ("" if saved.get("layout") == here
                                                            else f" | saved under {saved.get('layout')}"))
         _roll_back(train.out_dir, start_step, say)
-    saver = (CheckpointSaver(train.out_dir, config.checkpoint.keep, config.checkpoint.async_save)
+    saver = (CheckpointSaver(train.out_dir, config.checkpoint.keep, config.checkpoint.async_save,
+                             timeout=timedelta(seconds=train.collective_timeout_s))
              if config.checkpoint.enabled and train.out_dir else None)
     logger = ProgressLogger(train.steps, train.log_every, tokens_per_step, device,
                             flops_per_token=flops_per_token,

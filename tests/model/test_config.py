@@ -158,6 +158,13 @@ BAD_INPUTS = [
     ("parallel.data_parallel=zero", "parallel.data_parallel"),
     ("parallel.cp_algorithm=ring", "parallel.cp_algorithm"),
     ("train.max_skipped_steps=0", "train.max_skipped_steps"),
+    ("train.collective_timeout_s=0", "train.collective_timeout_s"),
+    ("train.collective_timeout_s=0.5", "train.collective_timeout_s"),   # under a second: no step fits
+    ("train.collective_timeout_s=-600", "train.collective_timeout_s"),
+    ("train.collective_timeout_s=.inf", "train.collective_timeout_s"),  # a hang again
+    ("train.collective_timeout_s=.nan", "train.collective_timeout_s"),
+    ("train.collective_timeout_s=1e9", "train.collective_timeout_s"),   # beyond a day
+    ("train.collective_timeout_s=soon", "train.collective_timeout_s"),
     ("data.text_suffixes=txt", "data.text_suffixes"),
     ("data.text_suffixes='*.txt'", "data.text_suffixes"),
     ("data.packing=rows", "data.packing"),
@@ -287,3 +294,11 @@ def test_fp32_wide_gdn_heads_on_cuda_fail_at_start_up():
         check_kernel_config(wide, on_cuda=True, dtype="float32")
     check_kernel_config(wide, on_cuda=True, dtype="bfloat16")
     check_kernel_config(ModelConfig(gdn_head_dim=128, gdn_expand_v=2.0), on_cuda=True, dtype="float32")
+
+
+def test_collective_timeout_names_its_range_and_the_first_steps_it_must_outlast():
+    with pytest.raises(ConfigError, match=r"train.collective_timeout_s=0.0 must be a number of seconds in "
+                                          r"\[1, 86400\].*Triton compilation.*e.g. 600"):
+        TrainConfig(collective_timeout_s=0).validate()
+    assert TrainConfig().collective_timeout_s == 600.0   # > the ~3 min of Triton compilation in the first steps
+    assert Config.from_yaml(TINY, ["train.collective_timeout_s=30"]).train.collective_timeout_s == 30.0

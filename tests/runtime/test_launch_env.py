@@ -1,9 +1,12 @@
 """Launcher detection from synthetic environments (every launcher, the precedence between them, Slurm's
-host lists, inconsistent values), the --local_rank strip, and init_distributed in this process."""
+host lists, inconsistent values), the --local_rank strip, and init_distributed in this process: its
+timeout, and the store of its own that each torchrun restart meets in."""
 import os
 import socket
 import sys
+import time
 import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -11,9 +14,9 @@ import torch.distributed as dist
 
 from gdn_parallel.config import ConfigError
 from gdn_parallel.runtime import launch_env
-from gdn_parallel.runtime.launch_env import (LaunchEnv, LaunchEnvError, detect_launch_env, expand_hostlist,
-                                           export_launch_env, init_distributed, parse_tasks_per_node,
-                                           strip_launcher_args)
+from gdn_parallel.runtime.launch_env import (GroupJoinError, LaunchEnv, LaunchEnvError, detect_launch_env,
+                                           expand_hostlist, export_launch_env, init_distributed,
+                                           parse_tasks_per_node, strip_launcher_args)
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29600", "TORCHELASTIC_RUN_ID": "none"}
@@ -317,3 +320,46 @@ def test_init_distributed_joins_a_group(monkeypatch):
         assert value.item() == 1
     finally:
         dist.destroy_process_group()
+
+
+TORCHRUN_RESTARTS = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def test_a_rank_whose_peer_never_comes_fails_within_the_timeout_saying_what_to_do(monkeypatch):
+    """Rank 0 of 2 alone (env://: it hosts the store and waits for rank 1): a GroupJoinError after
+    timeout_s, not torch's 30 minutes, naming the field and torchrun's next restart."""
+    for name in launch_env.TORCH_VARIABLES + TORCHRUN_RESTARTS:
+        monkeypatch.setenv(name, "stale")  # restored afterwards: init_distributed exports the launch
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    start = time.monotonic()
+    with pytest.raises(GroupJoinError, match=r"(?s)rank 0/2 .* could not join the process group within "
+                                             r"train.collective_timeout_s=2 s: .*torchrun now restarts every "
+                                             r"rank \(restart 2 of --max-restarts=2\); with --resume auto"):
+        init_distributed(LaunchEnv(0, 2, 0, 2, "127.0.0.1", free_port(), "torchrun"), timeout_s=2)
+    assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
+
+
+def test_each_torchrun_restart_meets_in_a_store_of_its_own(monkeypatch):
+    """torchrun's agent keeps its store's keys across restarts: what the killed attempt's ranks wrote
+    there (their gloo addresses) must not reach the restarted ones."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    env, timeout = LaunchEnv(0, 2, 0, 2, "127.0.0.1", port, "torchrun"), timedelta(seconds=10)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    launch_env._store_of_this_attempt(env, timeout).set("rank1_address", "of the killed attempt")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = launch_env._store_of_this_attempt(env, timeout)
+    assert not restarted.check(["rank1_address"])
+    restarted.set("rank1_address", "of the restarted attempt")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert launch_env._store_of_this_attempt(env, timeout).get("rank1_address") == b"of the killed attempt"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "one")
+    with pytest.raises(LaunchEnvError, match="TORCHELASTIC_RESTART_COUNT='one' is not an integer"):
+        launch_env._store_of_this_attempt(env, timeout)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert launch_env._store_of_this_attempt(env, timeout) is None  # other launchers: env:// as it is
+    del agent_store
