@@ -7,6 +7,11 @@ class CheckpointError(ValueError):
     anything is loaded from it; the message names the file and what to do."""
 
 
+class CheckpointUnreadable(CheckpointError):
+    """One of a checkpoint's files is torn, of the wrong form, or unsafe to read (whatever its
+    checksums say): the checkpoint is damaged, and `--resume auto` passes over it."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, no permission): the partial one is removed and
     the earlier ones are intact; the message names the path, the space needed and free."""

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..config import Config, ConfigError
 from . import files, integrity, ranks
-from .errors import CheckpointError
-from .reading import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
+from .errors import CheckpointError, CheckpointUnreadable
+from .reading import SafeFileSystemReader, TensorsOnlyLoadPlanner, load_tensors_file, read_metadata
 from .state import apply_loaded, targets_to_load
 
 
@@ -73,7 +73,8 @@ def nothing_verifies(out_dir: str) -> CheckpointError:
 
 
 class CheckpointDamaged(CheckpointError):
-    """The tensor data of a checkpoint fails verification (found while it was being loaded)."""
+    """The data of a checkpoint fails verification or cannot be read safely (found while it was being
+    loaded: its checksums may have been rewritten with it)."""
 
     def __init__(self, path: Path, problem: str):
         self.path, self.problem = Path(path), problem
@@ -104,7 +105,7 @@ def resolve_resume(resume: Optional[str], out_dir: str, say: Callable[[str], Non
                               "train.out_dir (or give --resume PATH)")
         found = files.complete_checkpoints(out_dir)
         for path in reversed(found):
-            problem = verify(path, data=False)   # the data files are verified while they load
+            problem = _small_files_problem(path)
             if problem is None:
                 return path
             say(f"resume | {path} fails verification ({problem}): passed over")
@@ -117,10 +118,25 @@ def resolve_resume(resume: Optional[str], out_dir: str, say: Callable[[str], Non
     if not files.is_complete(path):
         raise ConfigError(f"--resume {resume}: not a complete checkpoint (no {files.COMPLETE} marker or "
                           f"{files.TRAINER_STATE}: an interrupted save?); use --resume auto or another step")
-    problem = verify(path, data=False)   # the data files are verified while they load
+    problem = _small_files_problem(path)
     if problem is not None:
-        raise CheckpointError(f"--resume {resume} fails verification: {path}/{problem}; {_alternative(path)}")
+        raise CheckpointError(f"--resume {resume} fails verification: {problem}; {_alternative(path)}")
     return path
+
+
+def _small_files_problem(path: Path) -> Optional[str]:
+    """What is wrong with a checkpoint's small files: checksums, then the trainer state and index read
+    as resuming reads them (a forger rewrites the checksums); None when they pass. The data files are
+    verified while they load."""
+    problem = verify(path, data=False)
+    if problem is not None:
+        return f"{path}/{problem}"
+    try:
+        read_trainer_state(path)
+        read_metadata(path)
+    except CheckpointUnreadable as err:
+        return str(err)
+    return None
 
 
 def _alternative(path: Path) -> str:
@@ -139,11 +155,11 @@ def read_trainer_state(path: Path) -> Dict[str, Any]:
     try:
         saved = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file} cannot be read as JSON ({type(err).__name__}: {err}); the checkpoint is "
+        raise CheckpointUnreadable(f"{file} cannot be read as JSON ({type(err).__name__}: {err}); the checkpoint is "
                               f"damaged: take another one") from None
     if not (isinstance(saved, dict) and isinstance(saved.get("step"), int) and isinstance(saved.get("config"), dict)
             and isinstance(saved.get("data", {}).get("stream"), dict)):
-        raise CheckpointError(f"{file} lacks the step, config or data position a gdn_parallel checkpoint records")
+        raise CheckpointUnreadable(f"{file} lacks the step, config or data position a gdn_parallel checkpoint records")
     return saved
 
 
@@ -165,7 +181,7 @@ def _check_index(path: Path, targets: Dict[str, torch.Tensor]) -> None:
     entries = read_metadata(path).state_dict_metadata
     missing = sorted(key for key in targets if key not in entries)
     if missing:
-        raise CheckpointError(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs "
+        raise CheckpointUnreadable(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs "
                               f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); the checkpoint is "
                               f"incomplete: take another one")
     wrong = [f"{key}: {tuple(entries[key].size)} saved, {tuple(t.shape)} here" for key, t in targets.items()
@@ -189,10 +205,13 @@ def load(path: Path, named_params: List[Tuple[str, nn.Parameter]], optimizer, di
     problem = problem or _first(_local_damage(path, recorded, data=False))
     if problem is not None:
         raise CheckpointDamaged(path, problem)
-    saved = read_trainer_state(path)
-    check_compatible(saved, config)
-    targets = targets_to_load(named_params, optimizer, dims)
-    _check_index(Path(path), targets)
+    try:
+        saved = read_trainer_state(path)
+        check_compatible(saved, config)
+        targets = targets_to_load(named_params, optimizer, dims)
+        _check_index(Path(path), targets)
+    except CheckpointUnreadable as err:  # its checksums match (rewritten with it?): unreadable all the same
+        raise CheckpointDamaged(path, str(err)) from None
     failure = None
     with ThreadPoolExecutor(1) as pool:
         checking = pool.submit(_local_damage, path, recorded, True)
@@ -203,21 +222,21 @@ def load(path: Path, named_params: List[Tuple[str, nn.Parameter]], optimizer, di
         problem = _first(checking.result())
     if problem is not None:
         raise CheckpointDamaged(path, problem)
-    if failure is not None:
-        raise CheckpointError(f"reading the tensors of {path} failed ({ranks.describe(failure)}); a data file is "
-                              f"damaged: take another checkpoint") from None
+    if failure is not None:  # its checksums match (rewritten with it?): unreadable all the same
+        raise CheckpointDamaged(path, ranks.describe(failure)) from None
     apply_loaded(named_params, optimizer, targets)
     # The generators continue where they were under the same ranks; converted checkpoints have none.
     rng_file = Path(path) / f"rng_rank{ranks.rank()}.pt"
     restore = same_layout(saved) and rng_file.is_file()
-    ranks.agree(lambda: set_rng_state(_read_rng(rng_file)) if restore else None, CheckpointError)
+    ranks.agree(lambda: set_rng_state(_read_rng(rng_file)) if restore else None,
+                lambda problem: CheckpointDamaged(path, problem))
     return saved
 
 
 def _read_rng(file: Path) -> dict:
     """A rank's RNG states, read as plain data and tensors (torch's weights_only loader)."""
     try:
-        state = torch.load(file, weights_only=True)
+        state = load_tensors_file(file)
     except Exception as err:
         raise CheckpointError(f"{file} is not an RNG state file that can be read safely ({type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200]})") from None

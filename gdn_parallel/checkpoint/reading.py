@@ -10,9 +10,11 @@ that refuses non-tensor items keeps it that way. Every failure is a CheckpointEr
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointUnreadable
 
 METADATA_FILE = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -35,6 +37,21 @@ METADATA_GLOBALS = frozenset({
     ("collections", "OrderedDict"),
 })
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+@contextlib.contextmanager
+def quiet_tensor_loader():
+    """torch's weights_only loader warns on stderr about a pickle protocol it did not write (any planted
+    pickle): the refusal that follows says what matters, in one line."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        yield
+
+
+def load_tensors_file(path, **kwargs) -> Any:
+    """torch.load of a file that may come from anywhere: tensors and plain data only (weights_only)."""
+    with quiet_tensor_loader():
+        return torch.load(path, weights_only=True, **kwargs)
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -53,12 +70,12 @@ def read_metadata(path) -> Metadata:
     try:
         data = file.read_bytes()
     except OSError as err:
-        raise CheckpointError(f"{file} cannot be read ({err.strerror or err}); the checkpoint is incomplete: "
+        raise CheckpointUnreadable(f"{file} cannot be read ({err.strerror or err}); the checkpoint is incomplete: "
                               f"copy the whole directory or take another checkpoint") from None
     try:
         metadata = _IndexUnpickler(io.BytesIO(data)).load()
     except Exception as err:  # a torn file ends in any of several errors: name the file, not the pickle
-        raise CheckpointError(f"{file} is not a checkpoint index that can be read safely ({type(err).__name__}: "
+        raise CheckpointUnreadable(f"{file} is not a checkpoint index that can be read safely ({type(err).__name__}: "
                               f"{err}); the file is damaged or was not written by torch.distributed.checkpoint") \
             from None
     _check_form(metadata, file)
@@ -67,20 +84,20 @@ def read_metadata(path) -> Metadata:
 
 def _check_form(metadata: Any, file: Path) -> None:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointError(f"{file} does not hold a torch.distributed.checkpoint index")
+        raise CheckpointUnreadable(f"{file} does not hold a torch.distributed.checkpoint index")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"{file}: entry {key!r} is a {type(entry).__name__}, not a tensor; gdn_parallel "
+            raise CheckpointUnreadable(f"{file}: entry {key!r} is a {type(entry).__name__}, not a tensor; gdn_parallel "
                                   f"checkpoints hold tensors only (other entries would be unpickled)")
     if not isinstance(metadata.storage_data, dict):
-        raise CheckpointError(f"{file} has no storage table")
+        raise CheckpointUnreadable(f"{file} has no storage table")
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _DATA_FILE.match(name):
-            raise CheckpointError(f"{file} points at the data file {name!r}; only __<rank>_<n>.distcp files inside "
+            raise CheckpointUnreadable(f"{file} points at the data file {name!r}; only __<rank>_<n>.distcp files inside "
                                   f"the checkpoint are read")
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{file} asks for storage transforms {info.transform_descriptors}; gdn_parallel "
+            raise CheckpointUnreadable(f"{file} asks for storage transforms {info.transform_descriptors}; gdn_parallel "
                                   f"checkpoints are written without any")
 
 
@@ -97,9 +114,34 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+    def read_data(self, plan, planner):
+        """DCP's read, naming the data file whose bytes are not a tensor (DCP's error names none)."""
+        opened = []
+        create_stream = self.fs.create_stream
+
+        @contextlib.contextmanager
+        def recording(path, mode):
+            opened.append(Path(path).name)
+            with create_stream(path, mode) as stream:
+                yield stream
+
+        self.fs.create_stream = recording  # this reader's file system only
+        try:
+            with quiet_tensor_loader():
+                return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            lines = str(err).strip().splitlines()
+            raise CheckpointUnreadable(f"{opened[-1] if opened else 'a data file'} does not hold tensor data that can be "
+                                  f"read safely ({type(err).__name__}: {lines[0][:200] if lines else ''})") from None
+        finally:
+            del self.fs.create_stream
+
+
 class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, refusing a non-tensor item instead of unpickling it."""
 
     def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError(f"the checkpoint holds a non-tensor entry {read_item.dest_index.fqn!r}; it is not "
+        raise CheckpointUnreadable(f"the checkpoint holds a non-tensor entry {read_item.dest_index.fqn!r}; it is not "
                               f"unpickled")

@@ -16,6 +16,7 @@ import torch
 from ..config import Config, ConfigError, ModelConfig
 from ..data import TokenBatches, check_vocabulary, load_dataset
 from ..model import HybridLM
+from ..checkpoint.reading import load_tensors_file
 from .atomic import new_directory, new_file
 from .dcp_io import read_model, write_checkpoint
 from .errors import ConvertError
@@ -145,7 +146,7 @@ def read_torch_file(path) -> tuple:
         raise ConvertError(f"{path} is a safetensors file: convert the Hugging Face folder that holds it (with its "
                            f"config.json) with from-hf")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = load_tensors_file(path, map_location="cpu")
     except Exception as err:  # damaged bytes end in many error types: name the file, not the unpickler
         raise ConvertError(f"{path} is not a torch file of tensors ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''})") from None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Iterator, Tuple
@@ -67,24 +66,28 @@ def process_group(train_config) -> Iterator[Tuple[torch.device, bool]]:
         _settle_collectives()
     except RuntimeError as err:
         if launched and is_communication_failure(err):
-            _add_note(err, f"rank {dist.get_rank()}: a collective with the other ranks failed (a peer ended, or did "
-                           f"not answer within train.collective_timeout_s={timeout_s:g} s). {restart_advice()}")
+            raise PeerLost(f"rank {dist.get_rank()}: a collective with the other ranks failed (a peer ended, or "
+                           f"did not answer within train.collective_timeout_s={timeout_s:g} s: "
+                           f"{_first_line(err)}). {restart_advice()}") from err
         raise
     finally:
         dist.destroy_process_group()
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because another rank ended or stopped answering: an expected failure of a
+    multi-process job (a killed or crashed peer), reported by this rank in one line."""
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def is_communication_failure(err: BaseException) -> bool:
     """Whether err is torch.distributed's (store, backend, network) or gloo's transport reporting a peer
     that closed its connection or did not answer in time (gloo raises a plain RuntimeError)."""
     return isinstance(err, dist.DistError) or "gloo/transport" in str(err)
-
-
-def _add_note(err: BaseException, note: str) -> None:
-    if hasattr(err, "add_note"):  # Python 3.11+: printed under the traceback
-        err.add_note(note)
-    else:
-        print(note, file=sys.stderr, flush=True)
 
 
 # Long enough for a runnable thread to be scheduled on a loaded machine; paid once per job.

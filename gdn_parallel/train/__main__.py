@@ -22,6 +22,10 @@ the workers' statuses), after one line on stderr that says what happened and wha
     3  the loss or gradient was not finite train.max_skipped_steps steps in a row: the run stopped
     4  a file could not be written (a full disk, no permission): the partial checkpoint was removed,
        the earlier ones are intact
+    5  another rank ended or stopped answering (killed, crashed, out of memory, stuck past
+       train.collective_timeout_s), or the process group could not be formed: each rank that saw it
+       says so; the checkpoints written are intact and `--resume auto` continues (torchrun
+       --max-restarts=N restarts by itself)
 Anything else is a defect: a traceback, and status 1.
 """
 from __future__ import annotations
@@ -93,7 +97,7 @@ def load_config(args) -> Config:
     return config.validate()
 
 
-REFUSED, DIVERGED, WRITE_FAILED = 2, 3, 4
+REFUSED, DIVERGED, WRITE_FAILED, PEER_LOST = 2, 3, 4, 5
 # Errors of a file system, not of the program: reported in one line with WRITE_FAILED.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -110,7 +114,8 @@ def run(argv: Optional[List[str]] = None) -> dict:
         config = load_config(args)
     except ConfigError as err:
         parser.error(str(err))
-    from ..runtime.session import is_launched
+    from ..runtime.launch_env import GroupJoinError
+    from ..runtime.session import PeerLost, is_launched
     from .trainer import TrainingDiverged, run_training
     try:
         if not is_launched() and config.parallel.world_size > 1:
@@ -124,17 +129,20 @@ def run(argv: Optional[List[str]] = None) -> dict:
         _fail(parser, DIVERGED, f"stopped: {err}")
     except CheckpointWriteError as err:
         _fail(parser, WRITE_FAILED, str(err))
+    except (PeerLost, GroupJoinError) as err:  # every rank that saw it: the one that would speak may be the dead one
+        _fail(parser, PEER_LOST, " ".join(str(err).split()), every_rank=True)
     except OSError as err:
         if err.errno not in WRITE_ERRNOS:
             raise
         _fail(parser, WRITE_FAILED, f"cannot write {err.filename or 'a file'}: {err.strerror or err}")
 
 
-def _fail(parser: argparse.ArgumentParser, status: int, message: str) -> None:
-    """One line on stderr (from the first process only: every rank meets the same error) and `status`."""
+def _fail(parser: argparse.ArgumentParser, status: int, message: str, every_rank: bool = False) -> None:
+    """One line on stderr and `status`; from the first process only (every rank meets the same error)
+    unless every_rank."""
     from ..runtime.launch_env import detect_launch_env
     launch = detect_launch_env()
-    if launch is None or launch.rank == 0:
+    if every_rank or launch is None or launch.rank == 0:
         print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(status)
 

@@ -92,6 +92,7 @@ def test_a_killed_rank_restarts_and_the_job_resumes_from_the_newest_checkpoint(t
     log = log_path.read_text()
     tail = log[-6000:]
     assert status == 0, tail
+    assert "Traceback" not in log, tail  # the survivor that saw its peer die said so in one line
     assert int(newest.name.split("_")[1]) < STEPS, f"killed after the last checkpoint ({newest}): nothing to test"
     # One failure (the kill) and one restart: no restart lost to the killed group's addresses.
     assert len(re.findall(r"failed \(exitcode", log)) == 1, tail
@@ -102,3 +103,41 @@ def test_a_killed_rank_restarts_and_the_job_resumes_from_the_newest_checkpoint(t
     assert re.search(rf"^done  \| {STEPS - int(newest.name.split('_')[1])} steps ", log, re.M), tail
     assert complete_checkpoints(str(out_dir))[-1].name == f"step_{STEPS}"
     print(f"killed rank {KILLED_RANK} at {killed_at:.1f} s; resumed {newest.name}; job ended after {wall:.1f} s")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL")
+def test_a_rank_whose_peer_is_killed_ends_in_one_line_with_status_5(tmp_path):
+    """Two trainer processes started through the launcher variables (no torchrun to stop the survivor):
+    rank 1 is SIGKILLed mid-run; rank 0, inside a collective, ends with status 5 and one line saying
+    what happened and what to do, not gloo's traceback ("Connection reset by peer")."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        ranks.append(subprocess.Popen(
+            [sys.executable, "-m", "gdn_parallel.train", *TRAIN, "--set", f"train.out_dir={tmp_path / 'run'}"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        first = ""
+        while not first.startswith("step "):  # training: every step meets in collectives
+            first = ranks[0].stdout.readline()
+            assert first or ranks[0].poll() is None, ranks[0].stderr.read()
+        ranks[1].kill()
+        out, err = ranks[0].communicate(timeout=60)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    assert ranks[0].returncode == 5, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.match(r"gdn-train: error: rank 0: a collective with the other ranks failed \(a peer ended, or did "
+                    r"not answer within train.collective_timeout_s=20 s: .+\)\. A peer process ended", lines[0]), err
+    assert "--resume auto" in lines[0], err

@@ -102,8 +102,8 @@ def test_a_silent_peer_fails_the_collective_after_the_configured_timeout(tmp_pat
     waited = float(re.search(r"all_reduce ended after ([0-9.]+) s", output).group(1))
     assert ranks[0].returncode == 1 and 2.5 <= waited < 20, output
     assert "Timed out" in output, output
-    assert ("rank 0: a collective with the other ranks failed (a peer ended, or did not answer within "
-            "train.collective_timeout_s=3 s)") in output, output
+    assert ("PeerLost: rank 0: a collective with the other ranks failed (a peer ended, or did not answer within "
+            "train.collective_timeout_s=3 s: ") in output, output
     assert "Start the job again with --resume auto" in output, output
 
 
