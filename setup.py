@@ -9,6 +9,10 @@ from setuptools import find_namespace_packages, setup
 TORCH = "torch>=2.11,<2.15"
 TRITON = "triton>=3.6,<3.10"
 NOT_PACKAGES = ["__pycache__", "*.__pycache__"]
+# tests/data writes Megatron-LM indexed datasets with megatron-core's own builder (0.16.1: the last
+# release for Python 3.11; it needs only torch, numpy and packaging)
+MEGATRON = "megatron-core==0.16.1"
+SAFETENSORS = "safetensors>=0.4.3"   # safe_open / save_file (gdn_parallel/convert/safetensors_io.py)
 
 setup(
     name="gdn-parallel",
@@ -21,32 +25,42 @@ setup(
     # other libraries' modules of that name. Subpackages are found, not listed, so none goes missing;
     # namespace search because a folder without __init__.py (gdn_parallel/parallel/) is a package too.
     # `configs/` stays at the repository root (docs and users name `configs/...`) and is shipped as
-    # `gdn_parallel/configs/` so that `gdn-train --config configs/NAME.yaml` works after `pip install .`.
+    # `gdn_parallel/configs/` so that `gdn-train --config configs/NAME.yaml` works after `pip install .`;
+    # `launch/` likewise as `gdn_parallel/launch/` (`gdn-launch-scripts` prints where).
     packages=(find_namespace_packages(include=["gdn_parallel", "gdn_parallel.*"], exclude=NOT_PACKAGES)
               + ["gdn_kernels"]
               + [f"gdn_kernels.{name}" for name in find_namespace_packages("kernels", exclude=NOT_PACKAGES)]
-              + ["gdn_parallel.configs"]),
-    package_dir={"gdn_kernels": "kernels", "gdn_parallel.configs": "configs"},
-    package_data={"gdn_parallel": ["py.typed"], "gdn_parallel.configs": ["*.yaml"]},
+              + ["gdn_parallel.configs", "gdn_parallel.launch"]),
+    package_dir={"gdn_kernels": "kernels", "gdn_parallel.configs": "configs", "gdn_parallel.launch": "launch"},
+    package_data={"gdn_parallel": ["py.typed"], "gdn_parallel.configs": ["*.yaml"], "gdn_parallel.launch": ["*"]},
     install_requires=[TORCH, "PyYAML>=6", "numpy"],
     extras_require={
         # triton: interpreter tests on CPU; setuptools: tests/test_packaging.py builds the wheel without
         # build isolation (70.1+ builds wheels without the separate `wheel` package)
         # tokenizers: the prepared-data tests with a real tokenizer
         # transformers + flash-linear-attention: tests/convert loads our exports into fla's model (the base
-        # packages need only einops and transformers: no CUDA torch; fla-core's [cuda] extra is not asked for)
+        # packages need only einops and transformers: no CUDA torch; fla-core's [cuda] extra is not asked for).
+        # transformers < 5.24: 5.24 hands generate()'s cache to the model as `cache`, which fla 0.6.0 ignores
+        # (each new token without the recurrent state: wrong tokens, no error; tests/convert/test_fla.py)
         "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers",
-                "transformers>=5.6.2,<6", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
+                "transformers>=5.6.2,<5.24", "flash-linear-attention==0.6.0", "fla-core==0.6.0", SAFETENSORS,
+                MEGATRON],
         "gpu": [TRITON],
-        "log": ["matplotlib", "tensorboard"],  # loss.png, tools/plot.py; log.tensorboard (wandb: pip install wandb)
-        "data": ["tokenizers", "pyarrow"],      # tools/prepare_data.py: --tokenizer FILE, Parquet inputs
+        "log": ["matplotlib", "tensorboard"],  # loss.png, gdn-plot; log.tensorboard (wandb: pip install wandb)
+        "data": ["tokenizers", "pyarrow"],      # gdn-prepare-data: --tokenizer FILE, Parquet inputs
         "launch": ["mpi4py"],                   # launch/mpirun.sh across nodes (the master address)
+        "megatron": [MEGATRON],                 # megatron-core (its dataset builder; our reader needs none)
+        "convert": [SAFETENSORS],               # gdn-convert to-hf / from-hf: Hugging Face weight files
     },
     entry_points={
         "console_scripts": [
             "gdn-train=gdn_parallel.train.__main__:main",
             "gdn-convert=gdn_parallel.convert.__main__:main",
             "gdn-verify=gdn_parallel.verify.__main__:main",
+            "gdn-plot=gdn_parallel.train.plot:main",
+            "gdn-prepare-data=gdn_parallel.data.prepare:main",
+            "gdn-eval-niah=gdn_parallel.evaluate.niah:main",
+            "gdn-launch-scripts=gdn_parallel.runtime.launch_scripts:main",
         ]
     },
 )

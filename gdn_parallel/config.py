@@ -31,6 +31,8 @@ BYTE_VOCAB_SIZE = 256                                # token ids of the byte-lev
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")                # what the training loops place a model on
 PP_SCHEDULES = ("1f1b", "interleaved")
+LR_SCHEDULES = ("cosine", "wsd", "constant")     # train/schedule.py
+DECAY_SHAPES = ("1-sqrt", "linear")             # the wsd schedule's decay
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
 # A *short* convolution: the fused Triton conv unrolls all W taps per token and W^2 in its backward.
 # Measured on an H100 (T=8192, D=2048, bf16, forward+backward): W=4 compiles in 6 s and runs in
@@ -119,9 +121,9 @@ MODEL_RULES: Tuple[Rule, ...] = (
 )
 
 DATA_RULES: Tuple[Rule, ...] = (
-    ("source", lambda value: bool(value.strip()),
-     "must name the data: 'stdlib', a directory, a file or a glob of text files, or a directory "
-     "written by tools/prepare_data.py"),
+    ("source", lambda value: value == "" or bool(value.strip()),   # '': data.blend names the data
+     "must name the data: 'stdlib', a directory, a file or a glob of text files, a directory "
+     "written by gdn-prepare-data or a Megatron-LM indexed dataset prefix (path/name_text_document)"),
     ("val_fraction", _half_open(0.0, 1.0),
      "must be in [0, 1): the share of documents held out for validation, e.g. 0.02"),
     ("seed", *_SEED_RULE),
@@ -141,6 +143,8 @@ TRAIN_RULES: Tuple[Rule, ...] = (
     ("min_lr_ratio", lambda value: 0.0 <= value <= 1.0,
      "must be in [0, 1]: the final learning rate over train.lr, e.g. 0.1"),
     ("warmup_steps", _at_least(0), "must be >= 0: linear warmup updates (0: none)"),
+    ("decay_fraction", lambda value: 0.0 < value <= 1.0,
+     "must be in (0, 1]: the share of train.steps that train.lr_schedule=wsd decays over, at the end, e.g. 0.2"),
     ("weight_decay", _finite_at_least(0.0), "must be a number >= 0 (0: no decay), e.g. 0.1"),
     ("beta1", _half_open(0.0, 1.0), "must be in [0, 1): AdamW's first-moment decay, e.g. 0.9"),
     ("beta2", _half_open(0.0, 1.0), "must be in [0, 1): AdamW's second-moment decay, e.g. 0.95"),
@@ -300,13 +304,17 @@ class ModelConfig:
 class DataConfig:
     # "stdlib": the bytes of this Python's standard-library sources (no download), byte vocabulary;
     # a directory, file or glob of text files read the same way; or a directory of token ids written
-    # by tools/prepare_data.py (recognised by its metadata file).
+    # by gdn-prepare-data (recognised by its metadata file); or a Megatron-LM indexed dataset,
+    # named by its prefix (path/name_text_document for .bin + .idx). '' when data.blend names the data.
     source: str = "stdlib"
+    # Several sources read by weight: [[weight, source], ...], each source anything data.source takes;
+    # source s gets weight_s / sum(weights) of the tokens (gdn_parallel/data/blend.py).
+    blend: list = field(default_factory=list)
     val_fraction: float = 0.02
     seed: int = 0
     # The files a directory source reads (case-insensitive; '*': all). Prose and Python by default:
     # structured records (.json, .jsonl, .csv, .html) would train on their syntax, so their text goes
-    # through tools/prepare_data.py (--text-key). Binary files (NUL bytes, not UTF-8) are always skipped.
+    # through gdn-prepare-data (--text-key). Binary files (NUL bytes, not UTF-8) are always skipped.
     text_suffixes: str = ".txt,.md,.rst,.tex,.py"
     # documents: each document its own sequence (cu_seqlens); concatenate: one stream per row, attention
     # and labels crossing documents.
@@ -320,6 +328,31 @@ class DataConfig:
         _check_fields(self, "data", DATA_RULES)
         _check_choice(self, "data", "packing", self.PACKING_MODES,
                       "(documents: sequences end at document boundaries; concatenate: they run across them)")
+        self._check_blend()
+
+    def _check_blend(self) -> None:
+        """data.blend's pairs (weights made floats), and that it and data.source name the data once."""
+        example = "e.g. [[0.7, data/web_text_document], [0.3, stdlib]]"
+        if not isinstance(self.blend, list):
+            raise ConfigError(f"data.blend={self.blend!r} must be a list of [weight, source] pairs, {example}")
+        pairs = []
+        for index, pair in enumerate(self.blend):
+            weight, source = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+                raise ConfigError(f"data.blend[{index}]={pair!r} must be [weight, source] with a weight > 0, "
+                                  f"{example}")
+            if not isinstance(source, str) or not source.strip():
+                raise ConfigError(f"data.blend[{index}]={pair!r} must be [weight, source] with a source as "
+                                  f"data.source takes, {example}")
+            pairs.append([float(weight), source])
+        self.blend = pairs
+        if self.blend and self.source:
+            raise ConfigError(f"data.blend and data.source={self.source!r} both name the data: set "
+                              f"data.source='' (--set \"data.source=''\") to train on the blend, or "
+                              f"data.blend=[] to train on data.source")
+        if not self.blend and not self.source:
+            raise ConfigError("data.source='' names no data: give 'stdlib', text files, a prepared dataset or a "
+                              "Megatron-LM prefix, or list weighted sources in data.blend")
 
     @property
     def suffixes(self) -> Tuple[str, ...]:
@@ -354,6 +387,21 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    # After the warmup (lr * (step + 1) / warmup_steps), formulas in train/schedule.py:
+    # cosine: a half cosine from lr down to min_lr_ratio * lr at the last step;
+    # wsd (warmup-stable-decay): lr held, then over the last decay_fraction of the steps down to
+    #   min_lr_ratio * lr at the last step, along decay_shape;
+    # constant: lr to the end (min_lr_ratio unused).
+    lr_schedule: str = "cosine"   # cosine | wsd | constant
+    decay_fraction: float = 0.2   # wsd: its decay takes round(decay_fraction * steps) steps (at least 1)
+    # wsd: the decay's lr scale at progress p in (0, 1]: 1-sqrt: 1 - sqrt(p) (Hägele et al. 2024 found it
+    # better than linear); linear: 1 - p
+    decay_shape: str = "1-sqrt"   # 1-sqrt | linear
+    # A resume that changes lr_schedule or a setting the saved or new schedule reads (lr, min_lr_ratio,
+    # warmup_steps, steps; wsd: the decay fields) is refused unless this is true. Then, as Megatron's
+    # --override-opt_param-scheduler, the new schedule is evaluated at the resumed step: its LR there
+    # may jump from the saved schedule's (both are printed), and follows the new schedule after.
+    schedule_override: bool = False
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -386,12 +434,24 @@ class TrainConfig:
         if self.warmup_steps > self.steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds train.steps={self.steps}; "
                               f"lower train.warmup_steps or raise train.steps")
+        _check_choice(self, "train", "lr_schedule", LR_SCHEDULES,
+                      "(cosine: decays over all steps; wsd: warmup-stable-decay; constant: lr after the warmup)")
+        _check_choice(self, "train", "decay_shape", DECAY_SHAPES, "(the wsd decay: 1 - sqrt(p) or 1 - p)")
+        if self.lr_schedule == "wsd" and self.warmup_steps + self.decay_steps > self.steps:
+            raise ConfigError(f"train.lr_schedule=wsd: train.warmup_steps={self.warmup_steps} plus the decay's "
+                              f"round(train.decay_fraction * steps) = {self.decay_steps} steps exceed train.steps="
+                              f"{self.steps}; lower train.decay_fraction or train.warmup_steps")
         _check_choice(self, "train", "dtype", TRAIN_DTYPES)
         _check_choice(self, "train", "activation_checkpointing",
                       CHECKPOINTING_MODES,
                       "(full: recompute every block in the backward)")
         _check_device(self.device)
         _check_out_dir(self.out_dir)
+
+    @property
+    def decay_steps(self) -> int:
+        """Steps of the wsd decay, the last ones of the run."""
+        return max(1, round(self.decay_fraction * self.steps))
 
     @property
     def microbatch_rows(self) -> int:
@@ -511,7 +571,10 @@ class LogConfig:
 
     @property
     def wandb_enabled(self) -> bool:
-        return bool(self.wandb_project) and self.wandb_mode != "disabled"
+        """A W&B run is made: a project is set and the mode in force is not disabled (W&B's own
+        WANDB_MODE when set wins over log.wandb_mode, as its other variables do)."""
+        import os
+        return bool(self.wandb_project) and (os.environ.get("WANDB_MODE") or self.wandb_mode) != "disabled"
 
     def validate(self, train: Optional["TrainConfig"] = None) -> None:
         """Besides the choices: the backends asked for are installed (checked on every rank, before

@@ -2,7 +2,7 @@
 inside a function, goes from a layer to one below it (or stays inside its own unit).
 
     config | kernels (gdn_kernels) | comm  -> ops -> model | data -> parallel
-        -> checkpoint | runtime -> train | convert | verify
+        -> checkpoint | runtime -> train | convert | verify -> evaluate
 
 Units side by side in one layer do not import each other. The kernels are a leaf that imports
 torch and triton only; the communication layer torch only (torch.distributed)."""
@@ -20,6 +20,7 @@ LAYERS = {
     "gdn_parallel.parallel": 3,
     "gdn_parallel.checkpoint": 4, "gdn_parallel.runtime": 4,
     "gdn_parallel.train": 5, "gdn_parallel.convert": 5, "gdn_parallel.verify": 5,
+    "gdn_parallel.evaluate": 6,
 }
 # What a leaf may import besides the standard library and its own unit.
 LEAF_IMPORTS = {"gdn_kernels": {"torch", "triton"}, "gdn_parallel.comm": {"torch"}}

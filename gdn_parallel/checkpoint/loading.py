@@ -23,7 +23,8 @@ from torch.distributed.checkpoint import CheckpointException
 from ..config import Config, ConfigError
 from . import files, integrity, ranks
 from .errors import CheckpointError, CheckpointUnreadable
-from .reading import SafeFileSystemReader, TensorsOnlyLoadPlanner, load_tensors_file, read_metadata
+from .reading import (SafeFileSystemReader, TensorsOnlyLoadPlanner, load_tensors_file, read_metadata,
+                      unreadable_tensors)
 from .state import apply_loaded, targets_to_load
 
 
@@ -137,6 +138,40 @@ def _small_files_problem(path: Path) -> Optional[str]:
     except CheckpointUnreadable as err:
         return str(err)
     return None
+
+
+def whole_problem(path: Path) -> Optional[str]:
+    """What is wrong with checkpoint `path` anywhere, None when nothing is: its small files as
+    `resolve_resume` checks them, the checksums of its data files, and its RNG states and every tensor
+    read as a load reads them (one at a time, without the model). For a checkpoint that would end its
+    run, which nothing else reads: a damaged one must not pass for a finished run. A collective."""
+    problem = _small_files_problem(path)
+    if problem is not None:
+        return problem
+    recorded, _ = _manifest(path)
+    damage = _first(_local_damage(path, recorded, data=True))
+    return f"{path}/{damage}" if damage else _first(_unreadable_share(Path(path)))
+
+
+def _unreadable_share(path: Path) -> Optional[str]:
+    """The first RNG or data file of this rank's share that cannot be read as resuming reads it."""
+    for file in sorted(path.glob("rng_rank*.pt"))[ranks.rank()::ranks.world()]:
+        try:
+            _read_rng(file)
+        except CheckpointError as err:
+            return str(err)
+    names = sorted({info.relative_path for info in read_metadata(path).storage_data.values()})
+    return unreadable_tensors(path, set(names[ranks.rank()::ranks.world()]))
+
+
+def pass_over(path: Path, problem: str, out_dir: str, say: Callable[[str], None]) -> Path:
+    """Under --resume auto: say that checkpoint `path` is passed over and why, and return the newest
+    earlier checkpoint that verifies (refused when there is none). A collective."""
+    say(f"resume | {path} fails verification ({problem}): passed over")
+    older = newest_verifying(Path(out_dir), before=files.step_of(path))
+    if older is None:
+        raise nothing_verifies(out_dir)
+    return older
 
 
 def _alternative(path: Path) -> str:

@@ -58,18 +58,22 @@ def checkpoint_record(step: int, config: Config, world: int, data_stream: Dict[s
 
 
 def seal(directory: Path, record: Dict[str, Any], config: Config,
-         checksums: Optional[Dict[str, dict]] = None) -> None:
+         checksums: Optional[Dict[str, dict]] = None, attachments: Optional[Dict[str, bytes]] = None) -> None:
     """Complete a checkpoint directory whose tensors are written: trainer_state.json, the config to
-    resume with (config.yaml), the checksums of every file (`checksums`: those of the files already
-    there, hashed by the ranks; None: hashed here), and COMPLETE last. The one writer of these files,
-    for the trainer's saves and the converters' checkpoints alike."""
+    resume with (config.yaml), `attachments` (file name -> bytes: the tokenizer of the run's data,
+    gdn_parallel/data/tokenizer_record.py), the checksums of every file (`checksums`: those of the files
+    already there, hashed by the ranks; None: hashed here), and COMPLETE last. The one writer of these
+    files, for the trainer's saves and the converters' checkpoints alike."""
     directory = Path(directory)
     if checksums is None:
         checksums = integrity.checksums(directory, _files_to_hash(directory))
+    attachments = attachments or {}
     (directory / files.TRAINER_STATE).write_text(json.dumps(record, indent=1))
     (directory / files.CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
+    for name, data in attachments.items():
+        (directory / name).write_bytes(data)
     integrity.write_manifest(directory, {**checksums, **integrity.checksums(
-        directory, [files.TRAINER_STATE, files.CONFIG_COPY])})
+        directory, [files.TRAINER_STATE, files.CONFIG_COPY, *attachments])})
     (directory / files.COMPLETE).write_text("")
 
 
@@ -94,8 +98,10 @@ class CheckpointSaver:
     save is published (renamed complete) once it has finished, at the latest by the next save or by
     `finish()`. Old complete checkpoints beyond `keep` are deleted as new ones are published."""
 
-    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False, timeout: Optional[timedelta] = None):
+    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False, timeout: Optional[timedelta] = None,
+                 attachments: Optional[Dict[str, bytes]] = None):
         self.out_dir, self.keep, self.async_save = out_dir, keep, async_save
+        self.attachments = dict(attachments or {})   # files every checkpoint of the run carries (seal)
         self._pending: Optional[Tuple[Any, int, dict, Config]] = None   # an async save: future, step, record, config
         self.published: List[Path] = []
         # An asynchronous save coordinates the ranks (plan gather, metadata, barrier) from a background
@@ -163,7 +169,7 @@ class CheckpointSaver:
 
         def publish() -> None:
             if ranks.rank() == 0:
-                seal(partial, record, config, checksums)
+                seal(partial, record, config, checksums, self.attachments)
                 self.published.append(files.publish(self.out_dir, step))
                 files.prune(self.out_dir, self.keep)
         self._agree(step, publish)

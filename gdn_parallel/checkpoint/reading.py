@@ -16,7 +16,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -99,6 +99,30 @@ def _check_form(metadata: Any, file: Path) -> None:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointUnreadable(f"{file} asks for storage transforms {info.transform_descriptors}; gdn_parallel "
                                   f"checkpoints are written without any")
+
+
+def unreadable_tensors(path, names) -> Optional[str]:
+    """What is wrong in data files `names` of checkpoint `path`, read as DCP's reader reads them but
+    without a model to load into: each item of the index in those files, one at a time, must be a
+    tensor that torch's weights_only loader reads. None when every item is."""
+    items = sorted((info.relative_path, info.offset, info.length) for info in read_metadata(path).storage_data.values()
+                   if info.relative_path in names)
+    for name, offset, length in items:
+        file = Path(path) / name
+        try:
+            with open(file, "rb") as handle:
+                handle.seek(offset)
+                data = handle.read(length)
+            if len(data) != length:
+                raise EOFError(f"{len(data)} of the {length} bytes at offset {offset}")
+            value = load_tensors_file(io.BytesIO(data), map_location="cpu")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"a {type(value).__name__} at offset {offset}")
+        except Exception as err:
+            lines = str(err).strip().splitlines()
+            return (f"{file} does not hold tensor data that can be read safely ({type(err).__name__}: "
+                    f"{lines[0][:200] if lines else ''})")
+    return None
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -6,7 +6,8 @@ checkpoint under another layout and checks that every tensor landed (reshard.py)
     __main__.py       the command line (gdn-convert)
     commands.py       to_hf, from_hf, to_torch, from_torch, model_from_hf, model_from_checkpoint
     hf_format.py      fla's names and config.json, both ways, and what it cannot express
-    safetensors_io.py .safetensors files and sharded folders, with torch alone
+    hf_tokenizer.py   the tokenizer a checkpoint carries, as an export's tokenizer and generation files
+    safetensors_io.py .safetensors files and sharded folders (the safetensors library: [convert] extra)
     dcp_io.py         reading and writing our checkpoints without a process group
     model_tensors.py  names and shapes of a model config, dtype casts, architecture comparison
     reshard.py        gdn-convert reshard (under torchrun)

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf = commands.add_parser("to-hf", help="checkpoint -> flash-linear-attention GatedDeltaNetForCausalLM "
                                 "folder")
     to_hf.add_argument("checkpoint", **checkpoint)
-    to_hf.add_argument("out_dir", help="the folder to create (config.json, *.safetensors); must not exist")
+    to_hf.add_argument("out_dir", help="the folder to create (config.json, *.safetensors, generation_config.json and "
+                       "the checkpoint's tokenizer: docs/convert.md); must not exist")
     to_hf.add_argument("--dtype", **dtype)
     to_hf.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
                        help=f"largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_SHARD_SIZE})")
@@ -86,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from . import commands
     if args.command == "to-hf":
-        source = commands.to_hf(args.checkpoint, args.out_dir, args.dtype, args.shard_size)
-        print(f"to-hf | {source} -> {args.out_dir}")
+        notes = []
+        source = commands.to_hf(args.checkpoint, args.out_dir, args.dtype, args.shard_size, say=notes.append)
+        print(f"to-hf | {source} -> {args.out_dir} | " + " | ".join(notes))
     elif args.command == "to-torch":
         source = commands.to_torch(args.checkpoint, args.file, args.dtype)
         print(f"to-torch | {source} -> {args.file}")

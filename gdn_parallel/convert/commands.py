@@ -9,19 +9,23 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import Config, ConfigError, ModelConfig
 from ..data import TokenBatches, check_vocabulary, load_dataset
+from ..data.dataset import data_field
+from ..data.tokenizer_record import TOKENIZER_INFO, tokenizer_files
 from ..model import HybridLM
 from ..checkpoint.reading import load_tensors_file
 from .atomic import new_directory, new_file
 from .dcp_io import read_model, write_checkpoint
 from .errors import ConvertError
-from .hf_format import (CONFIG_FILE, from_hf_tensors, hf_config, read_hf_config, source_model_config,
+from .hf_format import (CONFIG_FILE, EMBEDDED, from_hf_tensors, hf_config, read_hf_config, source_model_config,
                         to_hf_tensors)
+from .hf_tokenizer import (check_special_ids, describe, folder_tokenizer, read_checkpoint_tokenizer,
+                           require_same_tokenizer, write_tokenizer_files)
 from .model_tensors import (EMBEDDINGS, KEEP, cast, check_tensors, drop_tied_head, listed,
                             require_same_architecture)
 from .safetensors_io import DEFAULT_SHARD_SIZE, is_safetensors, parse_size, read_folder, write_folder
@@ -43,14 +47,22 @@ def _checkpoint_model(path) -> tuple:
     return checkpoint, model, tensors, saved
 
 
-def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHARD_SIZE) -> Path:
+def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHARD_SIZE,
+          say: Optional[Callable[[str], None]] = None) -> Path:
+    """The weights, config.json and the tokenizer the checkpoint carries (hf_tokenizer.py); `say` is
+    told which tokenizer the export holds."""
     max_bytes = parse_size(shard_size)
     source, model, tensors, _ = _checkpoint_model(checkpoint)
+    tokenizer, tokenizer_json = read_checkpoint_tokenizer(source)
+    check_special_ids(tokenizer, model.vocab_size, str(source))
     tensors = cast(tensors, dtype)
-    config = hf_config(model, tensors[EMBEDDINGS].dtype)  # refuses what fla cannot express
+    config = hf_config(model, tensors[EMBEDDINGS].dtype, tokenizer)  # refuses what fla cannot express
     with new_directory(Path(out_dir)) as folder:
         write_folder(folder, to_hf_tensors(tensors), max_bytes)
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        write_tokenizer_files(folder, tokenizer, tokenizer_json)
+    if say is not None:
+        say(describe(tokenizer))
     return source
 
 
@@ -81,21 +93,28 @@ def target_config(source_model: Optional[ModelConfig], source_name: str, config_
     return config
 
 
-def data_stream_start(config: Config) -> dict:
+def data_stream_start(config: Config, dataset=None) -> dict:
     """The data stream's state at its first token (the trainer resumes it, and refuses another data
     source): the data must fit the vocabulary."""
     check_vocabulary(config.data, config.model.vocab_size)
-    dataset = load_dataset(config.data)
+    dataset = dataset if dataset is not None else load_dataset(config.data)
     stream = TokenBatches.from_config(config.data, config.train.seq_len, config.train.microbatch_rows,
                                       dataset=dataset)
     return stream.state_dict()
 
 
 def _write_new_checkpoint(out, tensors: Dict[str, torch.Tensor], source_model: ModelConfig, source_name: str,
-                          config_file, overrides, dtype: str, source: dict) -> Path:
+                          config_file, overrides, dtype: str, source: dict, tokenizer: Optional[dict] = None) -> Path:
+    """`tokenizer`: what made the source's ids, when it says (the new checkpoint's data must be made by
+    it too); the checkpoint carries its data's tokenizer, as the trainer's do."""
     check_tensors(tensors, source_model, source_name)
     config = target_config(source_model, source_name, config_file, overrides)
-    return write_checkpoint(Path(out), cast(tensors, dtype), config, data_stream_start(config), source)
+    dataset = load_dataset(config.data)
+    attachments = tokenizer_files(dataset)
+    data_info = json.loads(attachments[TOKENIZER_INFO]) if TOKENIZER_INFO in attachments else None
+    require_same_tokenizer(tokenizer, data_info, source_name, data_field(config.data))
+    return write_checkpoint(Path(out), cast(tensors, dtype), config, data_stream_start(config, dataset), source,
+                            attachments)
 
 
 def from_hf(hf_dir, out_checkpoint, config_file: Optional[str] = None, overrides: Sequence[str] = (),
@@ -106,7 +125,8 @@ def from_hf(hf_dir, out_checkpoint, config_file: Optional[str] = None, overrides
     model = source_model_config(hf, where)
     tensors = from_hf_tensors(read_folder(folder), model, str(folder))
     return _write_new_checkpoint(out_checkpoint, tensors, model, str(folder), config_file, overrides, dtype,
-                                 {"format": "hf", "path": str(folder.resolve())})
+                                 {"format": "hf", "path": str(folder.resolve())},
+                                 folder_tokenizer(folder, hf, EMBEDDED))
 
 
 def model_from_hf(hf_dir, device="cpu") -> HybridLM:

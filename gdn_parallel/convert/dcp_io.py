@@ -118,14 +118,15 @@ def fresh_optimizer_slots(model_tensors: Dict[str, torch.Tensor]) -> Dict[str, t
 
 
 def write_checkpoint(out: Path, model_tensors: Dict[str, torch.Tensor], config: Config, data_stream: dict,
-                     source: Optional[dict] = None) -> Path:
+                     source: Optional[dict] = None, attachments: Optional[Dict[str, bytes]] = None) -> Path:
     """A step-0 checkpoint at `out` that the trainer resumes from under any layout (its files beside
-    the tensors are written by the trainer's own writer, checkpoint.manager.seal)."""
+    the tensors, `attachments` too (the data's tokenizer), are written by the trainer's own writer,
+    checkpoint.manager.seal)."""
     state = {f"{MODEL}{name}": tensor for name, tensor in model_tensors.items()}
     state.update(fresh_optimizer_slots(model_tensors))
     record = checkpoint_record(0, config, 1, data_stream, **({"converted_from": source} if source else {}))
     with new_directory(Path(out)) as partial:
         with _one_process():
             dcp.save(state, storage_writer=FileSystemWriter(str(partial)), no_dist=True)
-        seal(partial, record, config)
+        seal(partial, record, config, attachments=attachments)
     return Path(out)

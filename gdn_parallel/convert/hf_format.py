@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from ..config import Config, ConfigError, ModelConfig
 from .errors import ConvertError
+from .hf_tokenizer import special_token_ids
 from .model_tensors import LM_HEAD, drop_tied_head, require_same_architecture
 
 MODEL_TYPE = "gated_deltanet"
@@ -96,8 +97,9 @@ def _plain_number(value: float):
     return int(value) if float(value).is_integer() else value
 
 
-def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
-    """config.json of `model` (refusals raise ConvertError naming every field fla cannot express)."""
+def hf_config(model: ModelConfig, dtype: torch.dtype, tokenizer: Optional[dict] = None) -> dict:
+    """config.json of `model` (refusals raise ConvertError naming every field fla cannot express);
+    `tokenizer`: the identity of what made the ids (hf_tokenizer.py), None when unknown."""
     refused = format_refusals(model)
     if refused:
         raise ConvertError("flash-linear-attention's GatedDeltaNetForCausalLM cannot express this model: "
@@ -115,10 +117,9 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
         "max_position_embeddings": 2048, "use_cache": True, "attnres_block_size": None,
         "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True, "fuse_linear_cross_entropy": False,
         "use_l2warp": False,
-        # no special tokens: our corpora are bytes or a tokenizer the model folder does not carry
-        "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+        **special_token_ids(tokenizer),   # null without a tokenizer that names them (byte-level data)
         "dtype": str(dtype).replace("torch.", ""),
-        EMBEDDED: {"format_version": EMBEDDED_VERSION, "model": dataclasses.asdict(model)},
+        EMBEDDED: {"format_version": EMBEDDED_VERSION, "model": dataclasses.asdict(model), "tokenizer": tokenizer},
     }
 
 

@@ -31,6 +31,7 @@ from ..parallel.pipeline import parts_of_rank
 from ..runtime.session import is_launched, process_group
 from .dcp_io import read_tensors, resolve_checkpoint, tensor_entries
 from .errors import ConvertError
+from .hf_tokenizer import carried_files
 
 MISMATCH_EXIT = 1
 
@@ -209,6 +210,7 @@ def _save_again(out_dir: str, source: Path, saved: dict, config: Config, named, 
     if dist.get_rank() == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
-    CheckpointSaver(out_dir).save(step, named, optimizer, dims, config, saved.get("data", {}).get("stream", {}),
-                                  resharded_from=str(source))
+    saver = CheckpointSaver(out_dir, attachments=carried_files(source))   # the tokenizer goes along
+    saver.save(step, named, optimizer, dims, config, saved.get("data", {}).get("stream", {}),
+               resharded_from=str(source))
     return str(final_path(out_dir, step))

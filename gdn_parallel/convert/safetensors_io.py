@@ -1,10 +1,9 @@
-"""Hugging Face weight files, read and written with torch alone (no safetensors package needed).
+"""Hugging Face weight files through the `safetensors` library (the optional `[convert]` extra).
 
-A `.safetensors` file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
-byte range; `__metadata__` -> {"format": "pt"}, which transformers requires), padded with spaces to
-8 bytes, then the tensors' raw little-endian bytes back to back. A folder holds `model.safetensors`,
-or shards `model-00001-of-00003.safetensors` ... with `model.safetensors.index.json` mapping every
-tensor name to its shard (the hub's layout, what `save_pretrained` writes).
+A folder holds `model.safetensors`, or shards `model-00001-of-00003.safetensors` ... with
+`model.safetensors.index.json` mapping every tensor name to its shard (the hub's layout, what
+`save_pretrained` writes). Files carry `__metadata__ = {"format": "pt"}`, which transformers requires.
+A file the library cannot read is refused in one line naming it.
 """
 from __future__ import annotations
 
@@ -21,13 +20,22 @@ from .errors import ConvertError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_SIZE = "5GB"   # save_pretrained's default max_shard_size
+INSTALL = "pip install 'gdn-parallel[convert]'"
 
-_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-_DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def _library():
+    """The safetensors package: (safe_open, save_file, its error type); a ConvertError saying what to
+    install when it is missing."""
+    try:
+        from safetensors import SafetensorError, safe_open
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConvertError(f"Hugging Face folders are read and written with the safetensors package, which is "
+                           f"not installed: {INSTALL}") from None
+    return safe_open, save_file, SafetensorError
 
 
 def shard_name(index: int, count: int) -> str:
@@ -48,22 +56,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def write_file(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
-    header: Dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _CODES:
-            raise ConvertError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store")
-        size = _nbytes(tensor)
-        header[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the reference writer does
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(encoded)))
-        fh.write(encoded)
-        for tensor in tensors.values():
-            fh.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    _, save_file, _ = _library()
+    save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path),
+              metadata={"format": "pt"})
 
 
 def is_safetensors(path: Path) -> bool:
@@ -73,44 +68,45 @@ def is_safetensors(path: Path) -> bool:
     return len(start) == 9 and start[8:] == b"{" and 0 < struct.unpack("<Q", start[:8])[0] < 2 ** 30
 
 
-def read_header(path: Path) -> Dict[str, dict]:
-    """name -> {dtype, shape, data_offsets} of one file (without `__metadata__`)."""
+def _damaged(path: Path, detail: str) -> ConvertError:
+    return ConvertError(f"{path} is not a readable safetensors file (damaged header: {detail})")
+
+
+def _opened(path: Path):
+    """safe_open of `path`, after the one check the library words differently: a header length past
+    the end of the file (named in bytes, never allocated)."""
+    safe_open, _, library_error = _library()
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            if length > size - 8:  # read before allocating: a damaged length asks for exabytes
-                raise ValueError(f"its header length {length:,} exceeds the {size:,}-byte file")
-            header = json.loads(fh.read(length))
-    except (OSError, struct.error, ValueError) as err:
-        raise ConvertError(f"{path} is not a readable safetensors file (damaged header: {err})") from None
-    if not isinstance(header, dict) or not all(
-            isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)
-            for k, e in header.items() if k != "__metadata__"):
-        raise ConvertError(f"{path} is not a readable safetensors file (damaged header: entries lack dtype, shape "
-                           f"or data_offsets)")
-    header.pop("__metadata__", None)
-    return header
+            start = fh.read(8)
+    except OSError as err:
+        raise _damaged(path, str(err)) from None
+    if len(start) < 8:
+        raise _damaged(path, f"the file has {size} bytes, fewer than the 8 of a header length")
+    (length,) = struct.unpack("<Q", start)
+    if length > size - 8:
+        raise _damaged(path, f"its header length {length:,} exceeds the {size:,}-byte file")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (library_error, OSError, ValueError) as err:
+        raise _damaged(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+
+def read_header(path: Path) -> List[str]:
+    """The tensor names of one file."""
+    with _opened(path) as handle:
+        return list(handle.keys())
 
 
 def read_file(path: Path, names: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
-    header = read_header(path)
-    with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        start = 8 + length
-        tensors = {}
-        for name in (header if names is None else names):
-            entry = header[name]
-            if entry["dtype"] not in _DTYPES:
-                raise ConvertError(f"{path}: tensor {name} has dtype {entry['dtype']}, which torch cannot hold")
-            begin, end = entry["data_offsets"]
-            fh.seek(start + begin)
-            raw = bytearray(fh.read(end - begin))
-            if len(raw) != end - begin:
-                raise ConvertError(f"{path} is truncated: tensor {name} needs bytes {begin}..{end} of its data")
-            tensors[name] = torch.frombuffer(raw, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"]) \
-                if raw else torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
-    return tensors
+    _, _, library_error = _library()
+    with _opened(path) as handle:
+        wanted = list(handle.keys()) if names is None else list(names)
+        try:
+            return {name: handle.get_tensor(name) for name in wanted}
+        except (library_error, OSError, ValueError) as err:   # a truncated file fails at its tensor
+            raise ConvertError(f"{path}: a tensor cannot be read ({str(err).splitlines()[0]})") from None
 
 
 def plan_shards(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[List[str]]:
@@ -148,6 +144,7 @@ def write_folder(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes
 def folder_files(folder: Path) -> Dict[str, List[str]]:
     """shard file -> the tensor names it holds, per the index (or the single file); every listed
     shard must exist."""
+    folder = Path(folder)
     index_path, single = folder / INDEX_FILE, folder / SINGLE_FILE
     if index_path.is_file():
         try:
@@ -163,7 +160,7 @@ def folder_files(folder: Path) -> Dict[str, List[str]]:
                                f"folder (every shard) and try again")
         return files
     if single.is_file():
-        return {SINGLE_FILE: list(read_header(single))}
+        return {SINGLE_FILE: read_header(single)}
     found = sorted(p.name for p in folder.glob("*.safetensors"))
     hint = (f"it has {found} but no {INDEX_FILE} saying which tensor is where" if found
             else "it has no .safetensors weights (a PyTorch .bin checkpoint? load and re-save it with "
@@ -172,10 +169,10 @@ def folder_files(folder: Path) -> Dict[str, List[str]]:
 
 
 def read_folder(folder: Path) -> Dict[str, torch.Tensor]:
+    folder = Path(folder)
     tensors: Dict[str, torch.Tensor] = {}
     for shard, names in folder_files(folder).items():
-        header = read_header(folder / shard)
-        absent = sorted(set(names) - set(header))
+        absent = sorted(set(names) - set(read_header(folder / shard)))
         if absent:
             raise ConvertError(f"{folder / shard} lacks tensor(s) {absent[:5]} that {INDEX_FILE} places there; "
                                f"the index and the shards are from different saves")

@@ -106,7 +106,7 @@ def load_corpus(data_config) -> Corpus:
         if listing is None:
             raise ConfigError(f"data.source={source!r} does not exist: give 'stdlib', a directory or file "
                               f"of text, a glob pattern (e.g. 'corpus/**/*.txt') or a directory written "
-                              f"by tools/prepare_data.py")
+                              f"by gdn-prepare-data")
         files, suffix_skipped = listing.files, listing.suffix_skipped
     for name, path in files:
         data = read_file(path)
@@ -140,4 +140,4 @@ def _no_documents_message(data_config, listed: int, binary: int, suffix_skipped)
     why = "; ".join(reasons) if reasons else "no file matched"
     return (f"data.source={source!r} yields no documents ({why}); give 'stdlib', a directory of text "
             f"files, a glob pattern (e.g. 'corpus/**/*.txt') matching readable, non-empty UTF-8 files, "
-            f"or a directory written by tools/prepare_data.py")
+            f"or a directory written by gdn-prepare-data")

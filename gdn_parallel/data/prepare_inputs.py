@@ -1,4 +1,4 @@
-"""The inputs of tools/prepare_data.py: which files, cut into work items, read back as document texts.
+"""The inputs of prepare.py (gdn-prepare-data): which files, cut into work items, read back as document texts.
 
 Formats, by suffix: `.jsonl` / `.ndjson` (one JSON object per line, its text under a key; a blank
 line is no document), `.parquet` (a string column; needs pyarrow), anything else text (one file is

@@ -1,17 +1,24 @@
 """The on-disk format of a prepared (tokenized) dataset, and its reader.
 
-tools/prepare_data.py writes a directory holding
+prepare.py (gdn-prepare-data) writes a directory holding
 
     gdn_tokens.json   the metadata (written last: a directory without it is not finished)
     tokens.bin        every document's token ids back to back, raw little-endian uint16 (when the
                       vocabulary fits) or uint32, read through a memory map
     offsets.npy       the document index: int64 [num_documents + 1], document i is
                       tokens[offsets[i]:offsets[i + 1]]; offsets[0] = 0, offsets[-1] = num_tokens
+    token_bytes.bin   (a tokenizer file only) per token, the UTF-8 bytes of the document's text it
+                      stands for (data/text_tokenizer.py text_bytes_per_token: a document's counts add
+                      up to its bytes), raw little-endian uint8 / uint16 / uint32; val_bpb divides by them
+    tokenizer.json    (a tokenizer file only) the tokenizer, copied verbatim (checkpoints carry it)
 
 The metadata holds: format, format_version, dtype, vocab_size (the tokenizer's), max_token_id (the
 largest id in tokens.bin, so start-up never scans the tokens), num_tokens, num_documents, tokenizer
-(its identity: kind 'bytes', or kind 'tokenizers' with the file's name and sha256), text_key,
-sources (the input files) and skipped (binary files, empty documents).
+(its identity: kind 'bytes', or kind 'tokenizers' with the file's name, sha256 and special_tokens
+{bos_token, eos_token, pad_token: {content, id, from} or null}), tokenizer_copy (the copy's name),
+text_bytes (the UTF-8 bytes of the documents: {num_bytes, each_token: 1} for bytes, {num_bytes, file,
+dtype} with a tokenizer; absent in datasets prepared before it was recorded: val_bpb is then unknown),
+text_key, sources (the input files) and skipped (binary files, empty documents).
 
 Opening checks everything that is cheap to check (sizes, the index's shape, order and ends) and
 raises ConfigError naming data.source with the fix.
@@ -31,12 +38,14 @@ from ..config import ConfigError
 METADATA_FILE = "gdn_tokens.json"
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.npy"
-PARTIAL_DIR = ".partial"          # tools/prepare_data.py's work in progress
+TOKEN_BYTES_FILE = "token_bytes.bin"
+TOKENIZER_COPY = "tokenizer.json"
+PARTIAL_DIR = ".partial"          # gdn-prepare-data's work in progress
 FORMAT_NAME = "gdn-parallel-tokens"
 FORMAT_VERSION = 1
 TOKEN_DTYPES = ("uint16", "uint32")
 
-_PREPARE_AGAIN = "prepare it again: python3 tools/prepare_data.py ... --out DIR --force"
+_PREPARE_AGAIN = "prepare it again: gdn-prepare-data ... --out DIR --force"
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -62,6 +71,7 @@ class PreparedDataset:
     metadata: dict
     tokens: np.ndarray       # memory map of tokens.bin, 1-D
     offsets: np.ndarray      # int64 [num_documents + 1] (memory map)
+    token_bytes: Optional[np.ndarray] = None   # UTF-8 bytes per token, aligned with tokens; None: unknown
 
     @property
     def num_documents(self) -> int:
@@ -96,7 +106,7 @@ def read_metadata(source: str) -> dict:
     if not meta_path.is_file():
         if (path / PARTIAL_DIR).is_dir():
             raise ConfigError(f"data.source={source!r} holds an unfinished preparation ({PARTIAL_DIR}/ "
-                              f"without {METADATA_FILE}); finish it by running tools/prepare_data.py "
+                              f"without {METADATA_FILE}); finish it by running gdn-prepare-data "
                               f"again with the same arguments (it resumes)")
         raise ConfigError(f"data.source={source!r} has no {METADATA_FILE}: not a prepared dataset")
     try:
@@ -116,7 +126,7 @@ def _metadata_problem(metadata) -> Optional[str]:
     version = metadata.get("format_version")
     if version != FORMAT_VERSION:
         return (f"has format_version {version!r}; this gdn_parallel reads version {FORMAT_VERSION} "
-                f"(prepare it again with this version's tools/prepare_data.py)")
+                f"(prepare it again with this version's gdn-prepare-data)")
     if metadata.get("dtype") not in TOKEN_DTYPES:
         return f"has dtype {metadata.get('dtype')!r}, not one of {TOKEN_DTYPES}"
     for key in ("vocab_size", "max_token_id", "num_tokens", "num_documents"):
@@ -147,7 +157,35 @@ def open_prepared(source: str) -> PreparedDataset:
     # np.memmap cannot map an empty file; a dataset without tokens is refused when its documents are read
     tokens = (np.memmap(tokens_path, dtype=dtype, mode="r", shape=(num_tokens,)) if num_tokens
               else np.zeros(0, dtype=dtype))
-    return PreparedDataset(path=path, metadata=metadata, tokens=tokens, offsets=offsets)
+    return PreparedDataset(path=path, metadata=metadata, tokens=tokens, offsets=offsets,
+                           token_bytes=_open_token_bytes(source, path, metadata))
+
+
+def _open_token_bytes(source: str, path: Path, metadata: dict) -> Optional[np.ndarray]:
+    """The UTF-8 bytes each token stands for (text_bytes in the metadata), or None when the dataset
+    does not record them."""
+    record, num_tokens = metadata.get("text_bytes"), metadata["num_tokens"]
+    where = f"data.source={source!r}: {METADATA_FILE}'s text_bytes"
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not _is_count(record.get("num_bytes")):
+        raise ConfigError(f"{where} {record!r} has no num_bytes count; {_PREPARE_AGAIN}")
+    if record.get("each_token") == 1:
+        return np.broadcast_to(np.uint8(1), (num_tokens,))   # a view: no memory per token
+    if record.get("file") != TOKEN_BYTES_FILE or record.get("dtype") not in ("uint8",) + TOKEN_DTYPES:
+        raise ConfigError(f"{where} {record!r} names neither each_token: 1 nor file {TOKEN_BYTES_FILE!r} with "
+                          f"a uint dtype; {_PREPARE_AGAIN}")
+    file, dtype = path / TOKEN_BYTES_FILE, np.dtype(record["dtype"]).newbyteorder("<")
+    size = file.stat().st_size if file.is_file() else None
+    if size != num_tokens * dtype.itemsize:
+        found = "is missing" if size is None else f"holds {size:,} bytes"
+        raise ConfigError(f"data.source={source!r}: {TOKEN_BYTES_FILE} {found}, not {num_tokens:,} {dtype.name} "
+                          f"counts (one per token); {_PREPARE_AGAIN}")
+    return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,)) if num_tokens else np.zeros(0, dtype)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _open_offsets(source: str, offsets_path: Path, num_tokens: int, num_documents: int) -> np.ndarray:

@@ -3,7 +3,10 @@
 **The global token stream.** Epoch e is every document once, in a seeded shuffle (the e-th
 `torch.randperm` of a generator seeded with `seed`, as `packing.document_stream` draws them), laid
 end to end; the epochs follow each other without a gap. The stream depends on the documents and
-the seed alone, not on the parallel layout nor the batch shape.
+the seed alone, not on the parallel layout nor the batch shape. A blend (`BlendedDocuments`,
+data.blend) has blend epochs instead: each source's quota of tokens from its own shuffled stream,
+interleaved by weight (data/blend.py); everything below holds for it as it is, an epoch meaning a
+blend epoch.
 
 **Sharding over dp (the rule).** A micro-batch is `rows * seq_len = B` tokens. The stream is cut
 into consecutive global micro-batches of `dp_size * B` tokens, and replica r takes tokens
@@ -22,11 +25,14 @@ stream at dp_size=1. `packing="concatenate"`: each row is one sequence running a
 boundaries (labels cross them; the row's last token has no label). Both take the same tokens.
 
 **State.** `state_dict()` is the stream's place in the global stream (epoch, tokens into it) and
-what identifies the stream (seed, document and token counts). All replicas hold the same state, so
-any rank's copy restores every rank. `load_state_dict` continues at that place under whatever
-layout the new stream has: another dp size, micro-batch shape or packing resumes at the first token
+what identifies the stream (seed, document and token counts; for a blend also each source's quota,
+documents and tokens, under "blend"). All replicas hold the same state, so any rank's copy
+restores every rank. `load_state_dict` continues at that place under whatever layout the new stream
+has: another dp size, micro-batch shape or packing resumes at the first token
 no replica has seen, so nothing is skipped or repeated (only the split of the coming tokens among
-replicas changes). A state of other documents or another seed is refused (ConfigError).
+replicas changes). A blend resumes mid-epoch in the same place of its interleaving, since the
+position alone fixes it. A state of other documents, another blend or another seed is refused
+(ConfigError).
 
 A finite stream (`epochs=N`) ends after N epochs; its last global micro-batch is dropped when
 `drop_last`, else each replica takes what is left of its share (shorter, or none: then that
@@ -34,14 +40,15 @@ replica's stream ends one micro-batch before the others').
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Union
 
-import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig
-from .dataset import load_dataset
+from .blend import BlendedDocuments
+from .dataset import data_field, load_dataset
 from .documents import Documents
+from .epochs import ShuffledEpochs
 from .packing import PackedBatch, pack_pieces
 
 STATE_VERSION = 1
@@ -51,8 +58,8 @@ PACKING_MODES = DataConfig.PACKING_MODES
 class TokenBatches:
     """Iterator of PackedBatch micro-batches of `rows` x `seq_len` tokens for one dp replica."""
 
-    def __init__(self, documents: Documents, seq_len: int, rows: int, *, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, packing: str = "documents",
+    def __init__(self, documents: Union[Documents, BlendedDocuments], seq_len: int, rows: int, *,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, packing: str = "documents",
                  epochs: Optional[int] = None, drop_last: bool = True):
         if seq_len <= 0 or rows <= 0:
             raise ValueError(f"seq_len={seq_len} and rows={rows} must be positive")
@@ -71,16 +78,15 @@ class TokenBatches:
         self.epochs, self.drop_last = epochs, drop_last
         self.tokens_per_epoch = documents.num_tokens
         self.position = 0          # global token where the next global micro-batch starts
-        self._generator = torch.Generator().manual_seed(self.seed)
-        self._generated = 0        # permutations drawn from the generator so far
-        self._epoch_cache: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._order = (documents.epochs(self.seed) if isinstance(documents, BlendedDocuments)
+                       else ShuffledEpochs(documents.lengths, self.seed))
 
     @classmethod
     def from_config(cls, data_config, seq_len: int, rows: int, *, dp_rank: int = 0, dp_size: int = 1,
                     seed: Optional[int] = None, split: str = "train", dataset=None,
                     epochs: Optional[int] = None, drop_last: bool = True) -> "TokenBatches":
-        """The stream of `data.source`'s split ('train' or 'val'), seeded by data.seed unless `seed`
-        is given, packed as data.packing says. `dataset`: an already loaded
+        """The stream of `data.source`'s (or `data.blend`'s) split ('train' or 'val'), seeded by
+        data.seed unless `seed` is given, packed as data.packing says. `dataset`: an already loaded
         gdn_parallel.data.load_dataset(data_config), so that train and val read the source once."""
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r} must be 'train' or 'val'")
@@ -88,7 +94,7 @@ class TokenBatches:
         dataset = dataset if dataset is not None else load_dataset(data_config)
         documents = dataset.train if split == "train" else dataset.val
         if len(documents) == 0:
-            raise ConfigError(f"data.source={data_config.source!r} has no {split} documents "
+            raise ConfigError(f"{data_field(data_config)} has no {split} documents "
                               f"(data.val_fraction={data_config.val_fraction}); check len(dataset.val) "
                               f"before asking for the validation stream")
         return cls(documents, seq_len, rows, dp_rank=dp_rank, dp_size=dp_size,
@@ -121,62 +127,34 @@ class TokenBatches:
         pieces: List[torch.Tensor] = []
         for row_start in range(start, stop, self.seq_len):
             row = [self.documents.piece(doc, begin, end)
-                   for doc, begin, end in self._segments(row_start, min(row_start + self.seq_len, stop))]
+                   for doc, begin, end in self._order.span(row_start, min(row_start + self.seq_len, stop))]
             pieces.extend(row if self.packing == "documents" else [torch.cat(row)])
         return pack_pieces(pieces)
-
-    def _segments(self, start: int, stop: int) -> Iterator[Tuple[int, int, int]]:
-        """(document, begin, end) pieces covering global tokens [start, stop), in stream order."""
-        lengths = self.documents.lengths
-        position = start
-        while position < stop:
-            epoch, offset = divmod(position, self.tokens_per_epoch)
-            order, ends = self._epoch(epoch)
-            slot = int(np.searchsorted(ends, offset, side="right"))
-            while slot < order.shape[0] and position < stop:
-                doc = int(order[slot])
-                doc_end = int(ends[slot])
-                begin = offset - (doc_end - int(lengths[doc]))
-                take = min(doc_end - offset, stop - position)
-                yield doc, begin, begin + take
-                position += take
-                offset += take
-                slot += 1
-
-    def _epoch(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Epoch `epoch`'s document order and the cumulative token ends along it (two epochs are
-        kept: a share straddles at most one boundary)."""
-        if epoch not in self._epoch_cache:
-            if epoch < self._generated:   # behind the generator (after a restore): replay from the seed
-                self._generator.manual_seed(self.seed)
-                self._generated = 0
-            num_docs = len(self.documents)
-            while self._generated <= epoch:
-                order = torch.randperm(num_docs, generator=self._generator).numpy()
-                self._generated += 1
-            ends = np.cumsum(self.documents.lengths[order])
-            self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
-            self._epoch_cache[epoch] = (order, ends)
-        return self._epoch_cache[epoch]
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         epoch, offset = divmod(self.position, self.tokens_per_epoch)
-        return {"version": STATE_VERSION, "epoch": epoch, "tokens_into_epoch": offset, "seed": self.seed,
-                "documents": len(self.documents), "tokens_per_epoch": self.tokens_per_epoch}
+        state = {"version": STATE_VERSION, "epoch": epoch, "tokens_into_epoch": offset, "seed": self.seed,
+                 "documents": len(self.documents), "tokens_per_epoch": self.tokens_per_epoch}
+        if isinstance(self.documents, BlendedDocuments):
+            state["blend"] = self.documents.identity()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where the stream that saved `state` stopped (its layout may differ)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ConfigError(f"the saved data stream state {state!r} is not a version {STATE_VERSION} "
                               f"TokenBatches state; resume with the gdn_parallel that saved it")
-        saved = (state.get("seed"), state.get("documents"), state.get("tokens_per_epoch"))
-        here = (self.seed, len(self.documents), self.tokens_per_epoch)
+        saved = (state.get("seed"), state.get("documents"), state.get("tokens_per_epoch"), state.get("blend"))
+        here = (self.seed, len(self.documents), self.tokens_per_epoch, self.state_dict().get("blend"))
         if saved != here:
+            blends = (f" (blend sources as [quota, documents, tokens]: saved {saved[3]}, now {here[3]})"
+                      if saved[3] != here[3] else "")
             raise ConfigError(
                 f"the checkpoint's data stream ran over {saved[1]} documents / {saved[2]} tokens with "
-                f"data.seed={saved[0]}; data.source now gives {here[1]} / {here[2]} with data.seed={here[0]}. "
-                f"Resume with the same data.source, data.val_fraction and data.seed, or start a new run")
+                f"data.seed={saved[0]}; the data now gives {here[1]} / {here[2]} with data.seed={here[0]}"
+                f"{blends}. Resume with the same data.source or data.blend, data.val_fraction and data.seed, "
+                f"or start a new run")
         epoch, offset = int(state["epoch"]), int(state["tokens_into_epoch"])
         if epoch < 0 or not 0 <= offset < self.tokens_per_epoch:
             raise ConfigError(f"the saved data stream state has epoch={epoch}, tokens_into_epoch={offset}, "

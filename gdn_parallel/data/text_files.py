@@ -1,6 +1,6 @@
 """Which files of a text source are read, and which of them are text.
 
-Shared by `data.source` (gdn_parallel.data.corpus) and tools/prepare_data.py, so both accept the same
+Shared by `data.source` (gdn_parallel.data.corpus) and prepare.py (gdn-prepare-data), so both accept the same
 files:
 
 - a directory is walked recursively, in sorted order; directories whose name starts with a dot

@@ -32,6 +32,13 @@ other launchers' port defaults to 29500.
 
 A launch of a single process (world size 1) is a plain single process: detect_launch_env returns None.
 
+CPU threads: torchrun exports OMP_NUM_THREADS=1 to the processes of a node; DeepSpeed's launcher and
+mpirun export nothing, and each of their processes took every core (2 processes on 2 cores: 2 threads
+each). init_distributed therefore shares the cores this process may run on among the node's processes
+when OMP_NUM_THREADS is unset (cpu_threads_per_process); OMP_NUM_THREADS, when set, and a positive
+train.threads (set later by the trainer) win. Slurm is left alone: srun binds each task to its
+--cpus-per-task CPUs, which torch's default already counts.
+
 Under torchrun the group meets in the agent's store through a prefix of its own per restart
 (TORCHELASTIC_RESTART_COUNT): the agent keeps its store's keys from one restart to the next, and a
 restarted group must not read the addresses of the group it replaces (_store_of_this_attempt).
@@ -122,7 +129,8 @@ class GroupJoinError(RuntimeError):
 def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_timeout_s) -> torch.device:
     """Join the process group of env: NCCL with GPU local_rank when CUDA is available, else gloo on the
     CPU. Returns this process's device. timeout_s (train.collective_timeout_s) bounds every collective
-    of the group, joining it included; a join that fails raises GroupJoinError."""
+    of the group, joining it included; a join that fails raises GroupJoinError. The node's CPU cores are
+    shared among its processes where the launcher did not share them (cpu_threads_per_process)."""
     export_launch_env(env)
     cuda = torch.cuda.is_available()
     device = _cuda_device(env) if cuda else torch.device("cpu")
@@ -138,7 +146,25 @@ def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_t
     except RuntimeError as err:  # the store's and the backends' errors (torch.distributed.DistError, gloo's)
         raise GroupJoinError(f"{env}: could not join the process group within train.collective_timeout_s="
                              f"{timeout_s:g} s: {err}\n{restart_advice()}") from err
+    threads = cpu_threads_per_process(env)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)   # for child processes, as torchrun's export
+        torch.set_num_threads(threads)
     return device
+
+
+def cpu_threads_per_process(env: LaunchEnv, environ: Optional[Mapping[str, str]] = None,
+                            cores: Optional[int] = None) -> Optional[int]:
+    """torch's CPU threads for one of env's processes: the cores this process may run on (`cores`,
+    default its CPU affinity) over the processes of its node, at least 1; None to leave torch's
+    default: OMP_NUM_THREADS is set (torchrun's or the user's choice), a Slurm task (bound to its own
+    CPUs), or the only process of its node (module docstring)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS", "").strip() or env.launcher == "slurm" or env.local_world_size == 1:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // env.local_world_size)
 
 
 def restart_advice() -> str:

@@ -1,10 +1,12 @@
 """Command line: `python -m gdn_parallel.train` (console script `gdn-train`).
 
-    gdn-train [--config PATH] [--set section.field=value ...] [--steps N]
+    gdn-train [--config PATH] [--set section.field=value ...] [--steps N] [--print-config]
 
 --config defaults to configs/tiny-cpu.yaml, looked up relative to the current directory, then to
 the repository this package lives in, then (configs/NAME) among the configs installed with it. --set overrides any config field (values parsed as YAML).
 --steps N is short for --set train.steps=N (and wins over it when both are given).
+--print-config prints the resolved config (after all of these) as YAML, each field with its help, and
+exits 0 without training; the output is a config file (`--config` reads it back).
 
 Steps and warmup, one rule for `--steps N` and `--set train.steps=N`: when the command line sets
 train.steps but not train.warmup_steps and the config's warmup is longer than the new step count,
@@ -18,7 +20,8 @@ the workers' statuses), after one line on stderr that says what happened and wha
     0  trained (also after SIGTERM/SIGINT: the step in flight finished and a checkpoint was saved)
     2  refused input: a bad config value, unknown field or malformed YAML file (naming `section.field`
        or the file and line), data too small for one step, an out_dir holding another run, a
-       checkpoint that fails verification, cannot be read safely or holds another model
+       checkpoint that fails verification, cannot be read safely or holds another model, a resume that
+       changes the LR schedule without train.schedule_override=true (train/schedule.py)
     3  the loss or gradient was not finite train.max_skipped_steps steps in a row: the run stopped
     4  a file could not be written (a full disk, no permission): the partial checkpoint was removed,
        the earlier ones are intact
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue a run: 'auto' takes the newest complete checkpoint under "
                              "<train.out_dir>/checkpoints (starting afresh when there is none), PATH a given "
                              "checkpoint directory; metrics.jsonl is appended to")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML, each field with its help, and exit")
     return parser
 
 
@@ -90,11 +95,20 @@ def load_config(args) -> Config:
     if ("train.steps" in set_on_command_line and "train.warmup_steps" not in set_on_command_line
             and 0 < train.steps < train.warmup_steps):
         shortened = train.steps // 10
-        print(f"note: the config's train.warmup_steps={train.warmup_steps} exceeds train.steps={train.steps} "
-              f"set on the command line; warmup shortened to {shortened} (give --set "
-              f"train.warmup_steps=N to choose)", file=sys.stderr)
+        if _is_first_process():
+            print(f"note: the config's train.warmup_steps={train.warmup_steps} exceeds train.steps={train.steps} "
+                  f"set on the command line; warmup shortened to {shortened} (give --set "
+                  f"train.warmup_steps=N to choose)", file=sys.stderr)
         train.warmup_steps = shortened
     return config.validate()
+
+
+def _is_first_process() -> bool:
+    """Rank 0 of a launch, or a plain process: every process of a launch resolves the same config, and
+    one of them says what it noted."""
+    from ..runtime.launch_env import detect_launch_env
+    launch = detect_launch_env()
+    return launch is None or launch.rank == 0
 
 
 REFUSED, DIVERGED, WRITE_FAILED, PEER_LOST = 2, 3, 4, 5
@@ -114,6 +128,11 @@ def run(argv: Optional[List[str]] = None) -> dict:
         config = load_config(args)
     except ConfigError as err:
         parser.error(str(err))
+    if args.print_config:
+        from .commented_config import commented_yaml
+        command = " ".join(["gdn-train", *(sys.argv[1:] if argv is None else argv)])
+        sys.stdout.write(commented_yaml(config, f"the resolved config of: {command}"))
+        raise SystemExit(0)
     from ..runtime.launch_env import GroupJoinError
     from ..runtime.session import PeerLost, is_launched
     from .trainer import TrainingDiverged, run_training
@@ -140,9 +159,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
 def _fail(parser: argparse.ArgumentParser, status: int, message: str, every_rank: bool = False) -> None:
     """One line on stderr and `status`; from the first process only (every rank meets the same error)
     unless every_rank."""
-    from ..runtime.launch_env import detect_launch_env
-    launch = detect_launch_env()
-    if every_rank or launch is None or launch.rank == 0:
+    if every_rank or _is_first_process():
         print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(status)
 

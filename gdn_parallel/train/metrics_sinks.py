@@ -3,9 +3,14 @@ Weights & Biases.
 
 A record is a JSON object with its optimizer `step` (0-based) and any other fields: the progress
 lines' fields, {"val_loss", "val_loss_by_position": {bucket: loss}}, {"skipped_step", "reason"},
-{"checkpoint": path}, {"resumed": true}, {"summary": {...}}. Every sink receives every record; nested
-mappings become `outer/inner` tags in TensorBoard and W&B. Only the process given an out_dir (rank 0)
-builds sinks.
+{"checkpoint": path}, {"resumed": true}, {"summary": {...}}. Every sink receives every record.
+metrics.jsonl keeps the fields' flat names; TensorBoard and W&B show them grouped (`train/loss`,
+`eval/loss`, `perf/tokens_per_s`: GROUPED_TAGS), nested mappings as `outer/inner`. Only the process
+given an out_dir (rank 0) builds sinks.
+
+W&B's own environment (WANDB_MODE, WANDB_PROJECT, WANDB_NAME, WANDB_ENTITY, WANDB_DIR) wins over the
+config, which supplies defaults only; W&B runs when log.wandb_project is set and the mode in force is
+not `disabled`.
 
 A resumed run appends to metrics.jsonl after a {"step": N, "resumed": true} marker: records of the
 earlier process at steps >= N describe work the checkpoint does not hold, and `read_metrics` drops
@@ -15,9 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 from ..config import ConfigError, LogConfig
 
@@ -32,16 +38,44 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-def flatten(record: dict, prefix: str = "") -> Iterator[Tuple[str, object]]:
-    """(tag, value) for every field but `step`; nested mappings give `outer/inner` tags."""
+# The one mapping from a record's fields (README's table of metrics.jsonl) to the grouped tags of
+# TensorBoard and W&B: train/ what the optimizer did, eval/ validation, perf/ speed and memory, run/
+# events of the run. A field missing here is grouped by grouped_tag's fallback, never dropped.
+GROUPED_TAGS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
+    "skipped_step": "train/skipped_step", "reason": "train/skip_reason",
+    "val_loss": "eval/loss", "val_bpb": "eval/bpb", "val_loss_by_position": "eval/loss_by_position",
+    "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "mem_mib": "perf/mem_mib",
+    "elapsed_s": "perf/elapsed_s", "eta_s": "perf/eta_s", "interval_s": "perf/interval_s",
+    "interval_steps": "perf/interval_steps",
+    "checkpoint": "run/checkpoint", "resumed": "run/resumed", "summary": "summary",
+}
+UNGROUPED = "other/"
+
+
+def grouped_tag(field: str) -> str:
+    """A record field's tag: GROUPED_TAGS, else `eval/<rest>` for a `val_<rest>` field, else other/<field>."""
+    if field in GROUPED_TAGS:
+        return GROUPED_TAGS[field]
+    if field.startswith("val_"):
+        return "eval/" + field[len("val_"):]
+    return UNGROUPED + field
+
+
+def grouped(record: dict) -> Iterator[Tuple[str, object]]:
+    """(tag, value) for every field but `step`, tags grouped (GROUPED_TAGS); nested mappings give
+    `outer/inner` tags."""
     for key, value in record.items():
-        if not prefix and key == "step":
-            continue
-        tag = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from flatten(value, tag + "/")
-        else:
-            yield tag, value
+        if key != "step":
+            yield from _nested(grouped_tag(key), value)
+
+
+def _nested(tag: str, value) -> Iterator[Tuple[str, object]]:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _nested(f"{tag}/{key}", inner)
+    else:
+        yield tag, value
 
 
 def read_metrics(path) -> List[dict]:
@@ -97,7 +131,7 @@ class TensorBoardSink:
 
     def write(self, record: dict) -> None:
         step = record.get("step", 0)
-        for tag, value in flatten(record):
+        for tag, value in grouped(record):
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(tag, float(value), step)
             elif isinstance(value, str):
@@ -107,26 +141,43 @@ class TensorBoardSink:
         self._writer.close()
 
 
-class WandbSink:
-    """A W&B run in <out_dir>/wandb; charts use the record's `step` as their x axis."""
+# W&B's own variables, each naming the wandb.init argument it sets; where one is set, W&B reads it and
+# the config's value of that argument is not passed (the config supplies defaults only).
+WANDB_VARIABLES = {"WANDB_MODE": "mode", "WANDB_PROJECT": "project", "WANDB_NAME": "name",
+                   "WANDB_ENTITY": "entity", "WANDB_DIR": "dir"}
 
-    def __init__(self, project: str, mode: str, out_dir: Path, run_config: Optional[dict] = None,
+
+def wandb_init_arguments(log: LogConfig, out_dir: Path,
+                         environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """What the config gives wandb.init: project, mode, name (out_dir's) and dir (out_dir), each only
+    where its W&B variable is unset or empty (the config has no entity: W&B's own default holds)."""
+    environ = os.environ if environ is None else environ
+    defaults = {"project": log.wandb_project, "mode": log.wandb_mode, "name": out_dir.name,
+                "dir": str(out_dir)}
+    overridden = {argument for variable, argument in WANDB_VARIABLES.items() if environ.get(variable)}
+    return {argument: value for argument, value in defaults.items() if argument not in overridden}
+
+
+class WandbSink:
+    """A W&B run (in <out_dir>/wandb unless WANDB_DIR says otherwise); charts use the record's `step`
+    as their x axis."""
+
+    def __init__(self, log: LogConfig, out_dir: Path, run_config: Optional[dict] = None,
                  resume: bool = False):
-        _require("wandb", f"log.wandb_project={project!r}", "wandb", "log.wandb_project=''")
+        _require("wandb", f"log.wandb_project={log.wandb_project!r}", "wandb", "log.wandb_project=''")
         import wandb
         id_file = out_dir / WANDB_RUN_ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         # console="off": the training lines are already in metrics.jsonl, and wrapping stdout would
         # fight the progress bar
-        self._run = wandb.init(project=project, mode=mode, dir=str(out_dir), name=out_dir.name,
-                               id=run_id, resume="allow", config=run_config,
-                               settings=wandb.Settings(console="off", silent=True))
+        self._run = wandb.init(**wandb_init_arguments(log, out_dir), id=run_id, resume="allow",
+                               config=run_config, settings=wandb.Settings(console="off", silent=True))
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 
     def write(self, record: dict) -> None:
-        values: Dict[str, object] = {tag: value for tag, value in flatten(record) if value is not None}
+        values: Dict[str, object] = {tag: value for tag, value in grouped(record) if value is not None}
         if "summary" in record:
             self._run.summary.update(values)
         else:
@@ -152,7 +203,7 @@ def sinks_from_config(log: Optional[LogConfig], out_dir: Path, run_config: Optio
             purge_step = first_step if append else None
             sinks.append(TensorBoardSink(out_dir / TENSORBOARD_DIR, purge_step=purge_step))
         if log is not None and log.wandb_enabled:
-            sinks.append(WandbSink(log.wandb_project, log.wandb_mode, out_dir, run_config, resume=append))
+            sinks.append(WandbSink(log, out_dir, run_config, resume=append))
     except BaseException:
         for sink in sinks:
             sink.close()

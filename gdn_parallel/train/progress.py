@@ -281,16 +281,21 @@ class ProgressLogger:
                 f"mem {r['mem_mib']:,.0f} MiB | eta {format_duration(r['eta_s'])}")
 
     def eval(self, step: int, val_loss: Optional[float],
-             val_loss_by_position: Optional[Dict[str, float]] = None) -> dict:
+             val_loss_by_position: Optional[Dict[str, float]] = None, val_bpb: Optional[float] = None) -> dict:
         """An evaluation after `step`: prints the eval line and records val_loss (None: no labelled
-        tokens) and, if given, the loss by position bucket {"start-end": loss}."""
+        tokens), val_bits_per_token, val_bpb (bits per byte of text: when the data records its bytes,
+        train/evaluation.py) and, if given, the loss by position bucket {"start-end": loss}."""
         if val_loss is None:
             self.say(f"eval step {step}/{self.total_steps} | val_loss n/a")
         else:
             self.val_points.append((step, val_loss))
             self.say(f"eval step {step}/{self.total_steps} | val_loss {val_loss:.4f} | "
-                     f"val_bpb {val_loss / math.log(2):.3f}")
-        record = {"step": step, "val_loss": val_loss}
+                     f"val_bits_per_token {val_loss / math.log(2):.3f}"
+                     + ("" if val_bpb is None else f" | val_bpb {val_bpb:.3f}"))
+        record = {"step": step, "val_loss": val_loss,
+                  "val_bits_per_token": None if val_loss is None else val_loss / math.log(2)}
+        if val_bpb is not None:
+            record["val_bpb"] = val_bpb
         if val_loss_by_position is not None:
             record["val_loss_by_position"] = dict(val_loss_by_position)
         self._emit(record)

@@ -30,22 +30,23 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointSaver, complete_checkpoints, load_checkpoint, read_trainer_state, resolve_resume
-from ..checkpoint import files
 from ..checkpoint.files import CONFIG_COPY, final_path, set_aside_after
-from ..checkpoint.loading import CheckpointDamaged, newest_verifying, nothing_verifies
+from ..checkpoint.loading import CheckpointDamaged, pass_over, whole_problem
 from ..checkpoint.manager import layout_record
 from ..config import Config, ConfigError
 from ..data import TokenBatches, check_vocabulary, load_dataset
+from ..data.dataset import data_field
+from ..data.tokenizer_record import tokenizer_files
 from ..data.validation import validation_set
 from ..model import HybridLM, build_model
 from ..ops.triton_dispatch import check_kernel_config
 from ..parallel.mesh import build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
-from .evaluation import evaluate
+from .evaluation import evaluate, validation_text_bytes
 from .optim import autocast_dtype, build_optimizer
 from .progress import ProgressLogger, format_duration, peak_flops_per_s
-from .schedule import schedule_from_config
+from .schedule import check_resumed_schedule, schedule_from_config
 from ..runtime.session import process_group
 
 
@@ -107,7 +108,7 @@ def _check_data_size(dataset, config: Config) -> None:
     needed = config.parallel.dp * train.batch_size * train.seq_len
     have = dataset.train.num_tokens
     if have < needed:
-        raise ConfigError(f"data.source={config.data.source!r} has {have:,} training tokens; one optimizer step "
+        raise ConfigError(f"{data_field(config.data)} has {have:,} training tokens; one optimizer step "
                           f"takes parallel.dp x train.batch_size x train.seq_len = {config.parallel.dp} x "
                           f"{train.batch_size} x {train.seq_len} = {needed:,}: give more data, or lower "
                           f"train.seq_len or train.batch_size")
@@ -123,11 +124,17 @@ def _resume_point(resume: Optional[str], config: Config, say) -> Optional[Path]:
                           f"continue that run with --resume auto, or start over in a new train.out_dir (or "
                           f"delete {newest.parent})")
     checkpoint = resolve_resume(resume, train.out_dir, say)
-    if checkpoint is not None:
-        step = read_trainer_state(checkpoint)["step"]
-        if step >= train.steps:
+    while checkpoint is not None and read_trainer_state(checkpoint)["step"] >= train.steps:
+        # It would end the run unread: verified whole first, so that a damaged one does not pass for it.
+        problem = whole_problem(checkpoint)
+        if problem is None:
+            step = read_trainer_state(checkpoint)["step"]
             raise ConfigError(f"the checkpoint {checkpoint} is at step {step} and train.steps={train.steps}: "
-                              f"nothing is left to train; raise train.steps (e.g. --steps {step + 1000}) to go on")
+                              f"nothing is left to train; raise train.steps (e.g. --steps {step + 1000}, with --set "
+                              f"train.schedule_override=true where the schedule reads train.steps) to go on")
+        if resume != "auto":
+            raise CheckpointDamaged(checkpoint, problem)
+        checkpoint = pass_over(checkpoint, problem, train.out_dir, say)
     return checkpoint
 
 
@@ -184,9 +191,10 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
             f"{world} {device.type} processes")
     say(f"train | device {device} | dtype {train.dtype} | threads {torch.get_num_threads()} | "
         f"{train.steps} steps x {train.batch_size} x {train.seq_len} tokens | lr {train.lr:g} "
-        f"warmup {train.warmup_steps}")
+        f"{train.lr_schedule} warmup {train.warmup_steps}")
     # The replicas share one fixed validation set, as they share a training batch.
     val_steps = _validation_steps(dataset, config, dims.rank("dp"), device, say)
+    val_text_bytes = validation_text_bytes(dataset, config, say) if val_steps else None   # val_bpb's
     if train.out_dir and is_main:
         Path(train.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(train.out_dir) / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
@@ -198,11 +206,13 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
         here = layout_record(config, world)
         checkpoint, saved = _load(checkpoint, resume, parallel, optimizer, dims, config, say)
         start_step = int(saved["step"])
+        check_resumed_schedule(saved["config"], train, start_step, say)
         batches.load_state_dict(saved["data"]["stream"])
         say(f"resume | {checkpoint} | step {start_step}" + ("" if saved.get("layout") == here
                                                            else f" | saved under {saved.get('layout')}"))
         _roll_back(train.out_dir, start_step, say)
     saver = (CheckpointSaver(train.out_dir, config.checkpoint.keep, config.checkpoint.async_save,
+                             attachments=tokenizer_files(dataset),   # exports name the data's tokenizer
                              timeout=timedelta(seconds=train.collective_timeout_s))
              if config.checkpoint.enabled and train.out_dir else None)
     logger = ProgressLogger(train.steps, train.log_every, tokens_per_step, device,
@@ -245,9 +255,9 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
             # grace period (torchrun's and Slurm's default: 30 s) that an evaluation would only shorten.
             if val_steps and not stopping and (last or (train.eval_every and (step + 1) % train.eval_every == 0)):
                 with logger.paused():  # evaluation time is not training throughput
-                    result = evaluate(parallel, val_steps, train.seq_len, amp_dtype)
+                    result = evaluate(parallel, val_steps, train.seq_len, amp_dtype, val_text_bytes)
                     val_loss = result["val_loss"]
-                    logger.eval(step, val_loss, result["val_loss_by_position"])
+                    logger.eval(step, val_loss, result["val_loss_by_position"], result["val_bpb"])
             if saver is not None:
                 saver.poll()
                 interval = config.checkpoint.interval
@@ -308,11 +318,7 @@ def _load(checkpoint: Path, resume: str, parallel, optimizer, dims, config: Conf
         except CheckpointDamaged as damaged:
             if resume != "auto":
                 raise
-            say(f"resume | {checkpoint} fails verification ({damaged.problem}): passed over")
-            older = newest_verifying(Path(config.train.out_dir), before=files.step_of(checkpoint))
-            if older is None:
-                raise nothing_verifies(config.train.out_dir) from None
-            checkpoint = older
+            checkpoint = pass_over(checkpoint, damaged.problem, config.train.out_dir, say)
 
 
 def _roll_back(out_dir: str, step: int, say) -> None:

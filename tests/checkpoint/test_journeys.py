@@ -7,9 +7,10 @@ reference's: to 1e-6 relative when the layout changed (other reduction orders), 
 (losses, gradient norms, validation losses, the next checkpoint's tensors) when a hop resumes under
 the layout that saved, against the uninterrupted run of that layout.
 
-The learning rate is warmup_steps=2 then constant (min_lr_ratio=1): the schedule does not depend on
-train.steps, so a hop can end after any step with `--steps N` and still follow the reference's
-schedule; a resume that lost its step would redo the half-rate warmup step and show in the losses.
+The learning rate is warmup_steps=2 then constant (train.lr_schedule=constant): the schedule does not
+read train.steps, so a hop can end after any step with `--steps N` and still follow the reference's
+schedule (and its resumes are no schedule change); a resume that lost its step would redo the
+half-rate warmup step and show in the losses.
 
 Journeys (hops that start from the reference's step_3 get a copy of it; runs are shared through
 module fixtures, so each multi-process hop is launched once):
@@ -55,7 +56,7 @@ REFERENCE_STEPS = 12
 CHECKPOINT_EVERY = 3
 RTOL = 1e-6
 COMMON = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.log_every=1",
-          "train.eval_rows=2", "train.warmup_steps=2", "train.min_lr_ratio=1.0", "train.dtype=float32",
+          "train.eval_rows=2", "train.warmup_steps=2", "train.lr_schedule=constant", "train.dtype=float32",
           "train.device=cpu"]
 DP2 = ["parallel.dp=2", "train.batch_size=1"]                  # the same global batch of 2 rows
 PP2 = ["parallel.pp=2", "train.microbatch_size=1"]             # 2 micro-batches for 2 stages

@@ -160,10 +160,13 @@ def test_a_rollback_sets_the_abandoned_line_aside_and_keeps_the_new_one(tmp_path
     abandoned line are moved to checkpoints/abandoned/<time>/ and named; the new line's step_4 is
     kept (it used to be pruned at once in favour of the abandoned, higher-numbered step_6, which a
     later `--resume auto` then loaded, ending after 0 steps), and `--resume auto` continues it."""
-    train(tmp_path, 6, "--set", "checkpoint.interval=2")                         # step_2, step_4, step_6
+    # A constant LR: the lines end at other train.steps than the run they resume without changing its schedule.
+    constant = ("--set", "train.lr_schedule=constant")
+    train(tmp_path, 6, "--set", "checkpoint.interval=2", *constant)             # step_2, step_4, step_6
     capsys.readouterr()
     step_2 = tmp_path / "checkpoints" / "step_2"
-    summary = train(tmp_path, 4, "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=1", resume=str(step_2))
+    summary = train(tmp_path, 4, "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=1", *constant,
+                    resume=str(step_2))
     assert summary["start_step"] == 2 and summary["steps"] == 4
     printed = capsys.readouterr().out
     abandoned = sorted((tmp_path / "checkpoints" / "abandoned").glob("*/step_*"))
@@ -171,7 +174,8 @@ def test_a_rollback_sets_the_abandoned_line_aside_and_keeps_the_new_one(tmp_path
     assert f"rolled back to step 2: the later checkpoint(s) step_4, step_6 of the abandoned line moved to " \
            f"{abandoned[0].parent}" in printed
     assert [path.name for path in (tmp_path / "checkpoints").glob("step_*")] == ["step_4"]
-    later = train(tmp_path, 5, "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=1", resume="auto")
+    later = train(tmp_path, 5, "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=1", *constant,
+                  resume="auto")
     assert later["start_step"] == 4 and later["steps"] == 5
 
 

@@ -20,7 +20,8 @@ from gdn_parallel.checkpoint.files import TRAINER_STATE
 from gdn_parallel.train.__main__ import run
 
 BASE = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "train.batch_size=2",
-        "--set", "train.log_every=1", "--set", "train.eval_rows=2", "--set", "train.warmup_steps=1"]
+        "--set", "train.log_every=1", "--set", "train.eval_rows=2", "--set", "train.warmup_steps=1",
+        "--set", "train.lr_schedule=constant"]   # reads no train.steps: resumes may end at other steps
 
 
 class Planted:
@@ -143,3 +144,42 @@ def test_checksums_are_recorded_for_every_file(saved):
     on_disk = {p.name for p in checkpoint.iterdir()} - {integrity.MANIFEST, "COMPLETE"}
     assert set(recorded) == on_disk and {".metadata", "__0_0.distcp", "rng_rank0.pt", TRAINER_STATE} <= on_disk
     assert json.loads((checkpoint / integrity.MANIFEST).read_text())["version"] == integrity.MANIFEST_VERSION
+
+
+def plant_in_rng(checkpoint: Path, marker: Path) -> None:
+    torch.save({"torch": torch.get_rng_state(), "python": Planted(marker)}, checkpoint / "rng_rank0.pt")
+    reseal(checkpoint)
+
+
+def plant_in_data(checkpoint: Path, marker: Path) -> None:
+    (checkpoint / "__0_0.distcp").write_bytes(pickle.dumps(Planted(marker)))
+    reseal(checkpoint)
+
+
+AT_THE_END = {  # damage -> the file a refusal must name
+    "flipped": (lambda checkpoint, marker: flip_bytes(checkpoint / "__0_0.distcp"), "__0_0.distcp: checksum mismatch"),
+    "planted rng": (plant_in_rng, "rng_rank0.pt"),
+    "planted data": (plant_in_data, "__0_0.distcp"),
+}
+
+
+@pytest.mark.parametrize("kind", list(AT_THE_END))
+def test_a_damaged_checkpoint_at_train_steps_does_not_pass_for_the_finished_run(saved, tmp_path, capsys, kind):
+    """The finished run's own command again (train.steps = the newest checkpoint's step) where that
+    checkpoint is damaged: `--resume auto` passes over it naming the file and trains again from the newest
+    that verifies, to a final checkpoint that verifies; `--resume <it>` is refused naming the file. Before,
+    both said "nothing is left to train" without reading its data (the fault drill: 7 of 11 kinds)."""
+    out_dir = copy_run(saved, tmp_path)
+    damaged = out_dir / "checkpoints" / "step_4"
+    marker = tmp_path / "code-ran"
+    damage, named = AT_THE_END[kind]
+    damage(damaged, marker)
+    err = refused(capsys, out_dir, str(damaged), steps=4)
+    assert f"{damaged} fails verification" in err and named in err, err
+    assert f"the newest earlier checkpoint that verifies is {out_dir / 'checkpoints' / 'step_2'}" in err, err
+    summary = train(out_dir, 4, resume="auto")
+    assert summary["start_step"] == 2 and not marker.exists()
+    printed = capsys.readouterr().out
+    assert f"resume | {damaged} fails verification (" in printed and named in printed, printed
+    recorded = integrity.read_manifest(damaged)
+    assert integrity.find_damage(damaged, sorted(recorded), recorded) == [], "the new final checkpoint"

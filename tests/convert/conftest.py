@@ -36,6 +36,16 @@ def gdn_checkpoint(tmp_path_factory) -> Path:
     return train_checkpoint(tmp_path_factory.mktemp("gdn-run"), PURE_GDN)
 
 
+@pytest.fixture(scope="session")
+def bpe_checkpoint(tmp_path_factory) -> Path:
+    """Pure GDN trained on data prepared with a byte-level BPE tokenizer (tests/tokenized_data.py:
+    root/tokenizer.json, root/data); the checkpoint is root/run/checkpoints/step_1."""
+    from tests.tokenized_data import prepare_bpe_dataset, texts
+    root = tmp_path_factory.mktemp("bpe")
+    data = prepare_bpe_dataset(root, texts())
+    return train_checkpoint(root / "run", {**PURE_GDN, "model.vocab_size": 300, "data.source": data})
+
+
 def all_tensors(checkpoint) -> dict:
     """Every tensor of a checkpoint (model and optimizer), by checkpoint key."""
     path = resolve_checkpoint(checkpoint)
@@ -47,3 +57,29 @@ def assert_same_tensors(first: dict, second: dict) -> None:
     assert sorted(first) == sorted(second)
     for name, value in first.items():
         assert value.dtype == second[name].dtype and torch.equal(value, second[name]), name
+
+
+def greedy_continuation(model, prompt: torch.Tensor, new_tokens: int, eos: int):
+    """Our model's greedy continuation of `prompt` ([1, T] ids): it has no generate, so each step runs
+    the whole sequence and takes the argmax of the last logits, up to `new_tokens` or eos. Returns the
+    new ids and the smallest top-2 logit margin met (how near a tie the choices came)."""
+    ids, margins = prompt, []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            top = model(ids).logits[0, -1].float().topk(2)
+            margins.append(float(top.values[0] - top.values[1]))
+            ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+            if int(top.indices[0]) == eos:
+                break
+    return ids[0, prompt.shape[1]:].tolist(), min(margins)
+
+
+def skip_unless_fla_generate_works():
+    """transformers 5.24 passes the generation cache to the model as `cache`; flash-linear-attention
+    0.6.0's forward takes `past_key_values` only, so each new token runs without the recurrent state
+    (wrong tokens, no error). setup.py's [dev] asks for transformers < 5.24."""
+    import transformers
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    if (major, minor) >= (5, 24):
+        pytest.skip(f"transformers {transformers.__version__} hands fla 0.6.0 its cache under a name fla ignores; "
+                    f"pip install -e '.[dev]' installs transformers < 5.24", allow_module_level=True)

@@ -6,6 +6,7 @@ import json
 import random
 import struct
 import shutil
+import sys
 
 import pytest
 import torch
@@ -182,3 +183,24 @@ def test_random_bytes_as_a_torch_file_are_named(tmp_path, capsys, seed):
     noise = tmp_path / "noise.pt"
     noise.write_bytes(random.Random(seed).randbytes(4096))
     fails(capsys, ["from-torch", str(noise), str(tmp_path / "x")], str(noise), "is not a torch file of tensors")
+
+
+def test_without_the_safetensors_library_the_commands_say_what_to_install(hybrid_checkpoint, tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    fails(capsys, ["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")], "pip install 'gdn-parallel[convert]'")
+    assert nothing_written(tmp_path, "hf")
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "a header that is not JSON", "truncated data"])
+def test_a_damaged_safetensors_file_is_named_in_one_line(hybrid_checkpoint, tmp_path, capsys, damage):
+    assert main(["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")]) == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes({"random bytes": random.Random(0).randbytes(4096),
+                         "a header that is not JSON": struct.pack("<Q", 64) + b"{" + bytes(range(100)),
+                         "truncated data": raw[:-100]}[damage])
+    message = fails(capsys, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "x")], str(weights),
+                    "is not a readable safetensors file")
+    assert message.count("\n") == 1 and nothing_written(tmp_path, "x")

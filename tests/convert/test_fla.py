@@ -18,7 +18,7 @@ from gdn_parallel.convert.__main__ import main
 from gdn_parallel.convert.hf_format import EMBEDDED
 from gdn_parallel.convert.safetensors_io import read_folder
 
-from .conftest import all_tensors, assert_same_tensors
+from .conftest import all_tensors, assert_same_tensors, greedy_continuation, skip_unless_fla_generate_works
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
 fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is not installed "
@@ -109,3 +109,22 @@ def test_a_folder_written_by_fla_converts_bit_exactly(tmp_path):
     assert_same_tensors(read_folder(tmp_path / "back"), expected)
     model = {k[len("model."):]: v for k, v in all_tensors(tmp_path / "dcp").items() if k.startswith("model.")}
     assert_same_tensors({("model." + k if k != "lm_head.weight" else k): v for k, v in model.items()}, expected)
+
+
+def test_transformers_generation_from_a_bpe_export_is_our_greedy_continuation(bpe_checkpoint, tmp_path,
+                                                                               untimed_autotuning):
+    """The export's tokenizer, generation_config.json and fla's recurrent cache in generate() give our
+    greedy tokens (a one-step model: near ties are possible, so a few tokens; the GPU test goes on
+    longer with a trained model)."""
+    skip_unless_fla_generate_works()
+    import transformers
+    folder = tmp_path / "hf"
+    assert main(["to-hf", str(bpe_checkpoint), str(folder)]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    generation = transformers.GenerationConfig.from_pretrained(folder)
+    prompt = torch.tensor([[tokenizer.bos_token_id] + tokenizer("the quick brown", add_special_tokens=False).input_ids])
+    expected, _ = greedy_continuation(model_from_hf(folder).eval(), prompt, 8, generation.eos_token_id)
+    theirs = GatedDeltaNetForCausalLM.from_pretrained(folder, fuse_norm=False, fuse_swiglu=False).eval()
+    with torch.no_grad():
+        generated = theirs.generate(prompt, generation_config=generation, max_new_tokens=8, do_sample=False)
+    assert generated[0, prompt.shape[1]:].tolist() == expected

@@ -65,6 +65,7 @@ def test_tensor_and_data_parallel_on_four_processes_and_a_resave(hybrid_checkpoi
     state = read_trainer_state(saved)
     assert state["layout"]["tp"] == 2 and state["layout"]["dp"] == 2
     assert state["data"] == read_trainer_state(hybrid_checkpoint)["data"]
+    assert (saved / "tokenizer_info.json").read_bytes() == (hybrid_checkpoint / "tokenizer_info.json").read_bytes()
     # as complete as the trainer's: the run's config.yaml names the new run and layout, the checkpoint's too
     assert state["config"]["train"]["out_dir"] == str(out) and state["resharded_from"] == str(hybrid_checkpoint)
     for config_file in (out / "config.yaml", saved / "config.yaml"):

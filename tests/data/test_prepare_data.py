@@ -1,5 +1,6 @@
 """tools/prepare_data.py: round trips (bytes, a tokenizers tokenizer, JSON lines, Parquet), worker
-count independence, resuming an interrupted run, refusing to overwrite, bad inputs."""
+count independence, resuming an interrupted run, refusing to overwrite, bad inputs; the UTF-8 bytes
+each token stands for (val_bpb's) and the tokenizer's copy and special tokens (exports')."""
 import json
 import re
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 from gdn_parallel.config import DataConfig
 from gdn_parallel.data import load_corpus, load_dataset
-from gdn_parallel.data.prepared import METADATA_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKENS_FILE
+from gdn_parallel.data.prepared import METADATA_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKEN_BYTES_FILE, TOKENS_FILE
 import tools.prepare_data as tool
 from tests.data.test_sources import write_tree
 
@@ -201,3 +202,73 @@ def test_parquet_rows_are_documents(tmp_path):
     assert run([tmp_path / "in"], out, "--text-key", "body", "--shard-mb", "0.0001") == 0
     assert documents_of(out) == [list(t.encode()) for t in TEXTS[:12]]
     assert json.loads((out / METADATA_FILE).read_text())["skipped"]["empty_documents"] == 2
+
+
+def test_a_tokenizer_file_records_each_tokens_bytes_and_its_special_tokens(tmp_path):
+    from tests.tokenized_data import BOS, EOS, PAD, prepare_bpe_dataset, texts
+    documents = texts()
+    out = prepare_bpe_dataset(tmp_path, documents, "--workers", "2", "--shard-mb", "0.001")
+    metadata = json.loads((out / METADATA_FILE).read_text())
+    counts = np.fromfile(out / TOKEN_BYTES_FILE, dtype=metadata["text_bytes"]["dtype"])
+    offsets = np.load(out / OFFSETS_FILE)
+    # every document's bytes counted once over its tokens (gaps, accents, an emoji split over tokens)
+    assert [int(counts[a:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])] == [len(t.encode()) for t in documents]
+    assert metadata["text_bytes"] == {"num_bytes": sum(len(t.encode()) for t in documents), "file": TOKEN_BYTES_FILE,
+                                      "dtype": "uint8"}
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    special = metadata["tokenizer"]["special_tokens"]
+    assert {role: (token["content"], token["id"]) for role, token in special.items()} == {
+        "bos_token": (BOS, 0), "eos_token": (EOS, 1), "pad_token": (PAD, 2)}
+    assert special["bos_token"]["from"] == "the tokenizer's post-processor template"
+    assert special["pad_token"]["from"] == "--pad-token"
+    # the dataset's validation documents carry their tokens' byte counts, document for document
+    dataset = load_dataset(DataConfig(source=str(out), val_fraction=0.2))
+    assert len(dataset.val) > 1 and dataset.val_token_bytes.lengths.tolist() == dataset.val.lengths.tolist()
+
+
+def test_special_tokens_from_transformers_files_and_flags_and_unknown_ones(tmp_path, capsys):
+    from tests.tokenized_data import byte_level_bpe, texts
+    (tmp_path / "tok").mkdir()
+    byte_level_bpe(tmp_path / "tok" / "tokenizer.json", texts())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<pad>"}}))
+    write_tree(tmp_path / "in", {"a.txt": "the quick brown fox"})
+    tok = str(tmp_path / "tok" / "tokenizer.json")
+    assert run([tmp_path / "in"], tmp_path / "o1", "--tokenizer", tok, "--bos-token", "</s>") == 0
+    special = json.loads((tmp_path / "o1" / METADATA_FILE).read_text())["tokenizer"]["special_tokens"]
+    assert (special["bos_token"]["id"], special["bos_token"]["from"]) == (1, "--bos-token")
+    assert special["eos_token"]["id"] == 2 and special["eos_token"]["from"].endswith("tokenizer_config.json")
+    assert special["pad_token"] is None
+    assert run([tmp_path / "in"], tmp_path / "o2", "--tokenizer", tok, "--eos-token", "<end>") == 2
+    assert "eos_token '<end>' (from --eos-token) is not a token of --tokenizer" in capsys.readouterr().err
+    assert run([tmp_path / "in"], tmp_path / "o3", "--bos-token", "<s>") == 2   # bytes have none
+    assert "byte-level data (--tokenizer bytes) has no special tokens" in capsys.readouterr().err
+
+
+def test_bytes_per_token_follow_the_offsets_and_add_up_to_the_text():
+    from gdn_parallel.data.text_tokenizer import text_bytes_per_token
+    # "é" is 2 bytes, the emoji 4 split over two byte-level tokens (same offsets); a special token
+    # (0, 0) first and last; a gap (the space) goes to the token after it; trailing text to the last
+    text = "é😀 ab  "
+    offsets = [(0, 0), (0, 1), (1, 2), (1, 2), (3, 4), (4, 5), (0, 0)]
+    assert text_bytes_per_token(text, offsets).tolist() == [0, 2, 4, 0, 2, 3, 0]
+    assert text_bytes_per_token("abc", [(0, 0), (0, 0)]).tolist() == [3, 0]   # nothing covered: the first
+
+
+def test_damaged_byte_counts_are_named(tmp_path):
+    from gdn_parallel.config import ConfigError
+    from tests.tokenized_data import prepare_bpe_dataset, texts
+    out = prepare_bpe_dataset(tmp_path, texts(10))
+    with open(out / TOKEN_BYTES_FILE, "r+b") as fh:
+        fh.truncate(7)
+    with pytest.raises(ConfigError, match=rf"{TOKEN_BYTES_FILE} holds 7 bytes, not \d+ uint8 counts"):
+        load_dataset(DataConfig(source=str(out)))
+
+
+def test_prepared_bytes_count_one_byte_per_token(tmp_path):
+    write_tree(tmp_path / "in", {f"{i}.txt": f"text {i} é" * 5 for i in range(6)})
+    assert run([tmp_path / "in"], tmp_path / "out") == 0
+    metadata = json.loads((tmp_path / "out" / METADATA_FILE).read_text())
+    assert metadata["text_bytes"] == {"num_bytes": metadata["num_tokens"], "each_token": 1}
+    assert not (tmp_path / "out" / TOKEN_BYTES_FILE).exists()
+    dataset = load_dataset(DataConfig(source=str(tmp_path / "out"), val_fraction=0.5))
+    assert set(np.unique(dataset.val_token_bytes.tokens).tolist()) == {1}

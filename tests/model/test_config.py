@@ -140,6 +140,12 @@ BAD_INPUTS = [
     ("train.out_dir=3", "train.out_dir"),
     ("train.peak_tflops=-1", "train.peak_tflops"),
     ("train.activation_checkpointing=blocks", "train.activation_checkpointing"),
+    ("train.lr_schedule=linear", "train.lr_schedule"),
+    ("train.decay_fraction=0", "train.decay_fraction"),
+    ("train.decay_fraction=1.5", "train.decay_fraction"),
+    ("train.decay_shape=cosine", "train.decay_shape"),
+    (["train.lr_schedule=wsd", "train.decay_fraction=0.95"], "train.decay_fraction"),  # overlaps the warmup
+    ("train.schedule_override=yes please", "train.schedule_override"),
     # parallel
     ("parallel.tp=0", "parallel.tp"),
     ("parallel.tp=3", "parallel.tp"),                         # 2 GDN heads are not divisible by 3
@@ -168,6 +174,10 @@ BAD_INPUTS = [
     ("data.text_suffixes=txt", "data.text_suffixes"),
     ("data.text_suffixes='*.txt'", "data.text_suffixes"),
     ("data.packing=rows", "data.packing"),
+    ("data.source=''", "data.source"),                          # names no data without data.blend
+    ("data.blend=[[1, stdlib]]", "data.source"),                # both name the data
+    (["data.source=''", "data.blend=[[0, stdlib]]"], "data.blend[0]"),
+    (["data.source=''", "data.blend={stdlib: 1}"], "data.blend"),
     # checkpoint
     ("checkpoint.interval=-1", "checkpoint.interval"),
     ("checkpoint.interval=5", "checkpoint.interval"),          # no train.out_dir to write under

@@ -363,3 +363,16 @@ def test_each_torchrun_restart_meets_in_a_store_of_its_own(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert launch_env._store_of_this_attempt(env, timeout) is None  # other launchers: env:// as it is
     del agent_store
+
+
+@pytest.mark.parametrize("env, environ, cores, threads", [
+    (LaunchEnv(1, 2, 1, 2, "h", 1, "deepspeed"), {}, 2, 1),            # the issue: 2 processes on 2 cores
+    (LaunchEnv(1, 16, 1, 8, "h", 1, "deepspeed"), {}, 64, 8),
+    (LaunchEnv(1, 4, 1, 4, "h", 1, "openmpi"), {}, 3, 1),              # never below one thread
+    (LaunchEnv(1, 2, 1, 2, "h", 1, "torchrun"), {"OMP_NUM_THREADS": "1"}, 2, None),   # torchrun's export
+    (LaunchEnv(1, 2, 1, 2, "h", 1, "deepspeed"), {"OMP_NUM_THREADS": "4"}, 2, None),  # the user's choice
+    (LaunchEnv(1, 8, 1, 4, "h", 1, "slurm"), {}, 8, None),             # srun binds each task's CPUs
+    (LaunchEnv(1, 2, 0, 1, "h", 1, "deepspeed"), {}, 8, None),         # alone on its node
+])
+def test_cpu_threads_per_process_shares_the_cores_of_a_node(env, environ, cores, threads):
+    assert launch_env.cpu_threads_per_process(env, environ, cores) == threads

@@ -7,6 +7,7 @@ Neither launcher is a dependency. On Debian / Ubuntu: `apt-get install openmpi-b
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -77,6 +78,55 @@ def test_mpirun_script_command(stand_ins):
         *TRAINER]
 
 
+def test_mpirun_script_forwards_nccl_wandb_and_named_variables(stand_ins):
+    command = command_line(stand_ins, "mpirun.sh", NP="2", NCCL_DEBUG="INFO", WANDB_MODE="offline",
+                           CUDA_VISIBLE_DEVICES="0", CUDA_LAUNCH_BLOCKING="1", FORWARD="MY_SETTING",
+                           MY_SETTING="x")
+    forwarded = [command[i + 1] for i, arg in enumerate(command) if arg == "-x"]
+    assert forwarded == ["PATH", "MY_SETTING", "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG", "WANDB_MODE"]
+    assert command[-len(TRAINER):] == TRAINER      # CUDA_VISIBLE_DEVICES stays each node's own
+
+
+def test_mpirun_script_takes_np_from_the_hostfile(stand_ins, tmp_path):
+    command = command_line(stand_ins, "mpirun.sh", HOSTFILE="launch/hostfile.example")
+    assert command[:3] == ["mpirun", "-np", "16"]            # node01 slots=8 + node02 slots=8
+    assert command_line(stand_ins, "mpirun.sh", HOSTFILE="launch/hostfile.example", NP="3")[:3] == \
+        ["mpirun", "-np", "3"]
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node01 slots=2 max_slots=4  # a comment\n\nnode02\n")
+    out = subprocess.run(["bash", str(LAUNCH / "mpirun.sh")], env={"PATH": f"{stand_ins}:/usr/bin:/bin",
+                                                                    "HOSTFILE": str(hosts)},
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and out.stdout == ""
+    assert "the line 'node02' has no slots=N" in out.stderr and "or set NP" in out.stderr
+
+
+def dry_run(script, *args, **environ):
+    """The command a script would run (DRY_RUN=1), as its argument list."""
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", **environ}
+    out = subprocess.run(["bash", str(LAUNCH / script), *args], env=env, cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    return shlex.split(out.stdout)
+
+
+@pytest.mark.parametrize("script, environ", [("deepspeed.sh", {"NUM_GPUS": "2"}), ("mpirun.sh", {"NP": "2"}),
+                                             ("slurm.sbatch", {})])
+def test_dry_run_prints_the_command_the_script_runs(stand_ins, script, environ):
+    assert dry_run(script, "--steps", "3", "--set", "train.out_dir=a b", **environ) == \
+        command_line(stand_ins, script, **environ)
+
+
+def test_torchrun_script_passes_options_before_a_double_dash_to_torchrun():
+    launcher = ["torchrun", "--nnodes=2", "--node_rank=1", "--nproc_per_node=4", "--master_addr=node01",
+                "--master_port=29500"]
+    environ = dict(NPROC_PER_NODE="4", NNODES="2", NODE_RANK="1", MASTER_ADDR="node01")
+    assert dry_run("torchrun.sh", "--max-restarts=3", "--", "--resume", "auto", "--set", "train.out_dir=a b",
+                   **environ) == [*launcher, "--max-restarts=3", *TRAINER[1:3], "--resume", "auto", "--set",
+                                  "train.out_dir=a b"]
+    assert dry_run("torchrun.sh", "--steps", "3", "--set", "train.out_dir=a b", **environ) == \
+        [*launcher, *TRAINER[1:]]                                # no `--`: all of them the trainer's
+
+
 def test_slurm_script_command(stand_ins):
     assert command_line(stand_ins, "slurm.sbatch", SLURM_CPUS_PER_TASK="12") == [
         "srun", "--kill-on-bad-exit=1", "--cpus-per-task=12", *TRAINER]
@@ -142,6 +192,52 @@ def test_mpirun_script_trains(mpirun_losses):
 def test_launchers_train_alike(deepspeed_losses, mpirun_losses):
     """Same layout, seeds and data: the launcher changes nothing but how the processes meet."""
     assert deepspeed_losses == pytest.approx(mpirun_losses, abs=1e-4)
+
+
+WARMUP_NOTE = "warmup shortened"   # TINY's --steps 3 shortens tiny-cpu's warmup: every process notes it
+
+
+def test_torchrun_script_trains_with_torchrun_options_before_a_double_dash():
+    environ = cpu_environ(NPROC_PER_NODE="2")
+    out = subprocess.run(["bash", "launch/torchrun.sh", "--max-restarts=1", "--", *TINY], cwd=REPO, env=environ,
+                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-4000:]      # the trainer would refuse --max-restarts
+    losses = losses_of(out.stdout)
+    assert losses[-1] < losses[0]
+    assert out.stderr.count(WARMUP_NOTE) == 1, out.stderr[-3000:]   # rank 0's, not one per process
+
+
+DEEPSPEED_PROBE = '''
+import os, torch, torch.distributed as dist
+from gdn_parallel.runtime.launch_env import detect_launch_env, init_distributed
+from gdn_parallel.train.__main__ import build_parser, load_config
+
+load_config(build_parser().parse_args(["--steps", "3"]))
+env = detect_launch_env()
+init_distributed(env, timeout_s=120)
+print(f"rank={env.rank} launcher={env.launcher} threads={torch.get_num_threads()} "
+      f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_processes_of_deepspeeds_launcher_share_the_cores_and_note_once(tmp_path):
+    """The variables DeepSpeed's launcher gives 2 processes on one node (no OMP_NUM_THREADS, unlike
+    torchrun): each takes its share of this machine's cores, and only rank 0 prints the warm-up note."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(DEEPSPEED_PROBE)
+    base = {k: v for k, v in cpu_environ().items() if k != "OMP_NUM_THREADS"}
+    processes = [subprocess.Popen([sys.executable, str(probe)], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                           LOCAL_SIZE="2", CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1"))
+                 for rank in (0, 1)]
+    outputs = [process.communicate(timeout=RUN_TIMEOUT_S) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for rank, (stdout, _) in enumerate(outputs):
+        assert f"rank={rank} launcher=deepspeed threads={share} OMP_NUM_THREADS={share}" in stdout, stdout
+    assert [stderr.count(WARMUP_NOTE) for _, stderr in outputs] == [1, 0], outputs
 
 
 PROBE = '''

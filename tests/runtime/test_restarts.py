@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gdn_parallel.checkpoint import complete_checkpoints
+from tools.drill.processes import worker_pids
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, INTERVAL = 240, 20
@@ -31,23 +32,6 @@ KILLED_RANK = 0       # the rank whose loss lost the most restarts before the fi
 # The whole job: about 20 s on 2 idle cores; a survivor stuck in a collective adds torchrun's 30 s
 # shutdown timeout, a restart that cannot form its group 20 s (the timeout above) per restart.
 RUN_LIMIT_S = 150
-
-
-def worker_pids(agent_pid: int) -> dict:
-    """{rank: pid} of the agent's worker processes (Linux /proc)."""
-    workers = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != agent_pid:
-                continue
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):  # a process that ended while we looked
-            continue
-        rank = next((int(item[5:]) for item in environ if item.startswith(b"RANK=")), None)
-        if rank is not None:
-            workers[rank] = int(stat.parent.name)
-    return workers
 
 
 def wait_for(condition, timeout_s: float, what: str, agent: subprocess.Popen):

@@ -35,7 +35,8 @@ def test_a_resume_at_the_last_step(tmp_path, capsys):
     run(["--steps", "2", *BASE, "--set", f"train.out_dir={tmp_path}"])
     capsys.readouterr()
     err = refused(capsys, "--set", f"train.out_dir={tmp_path}", "--resume", "auto")
-    assert "is at step 2 and train.steps=2: nothing is left to train; raise train.steps (e.g. --steps 1002)" in err
+    assert ("is at step 2 and train.steps=2: nothing is left to train; raise train.steps (e.g. --steps 1002, "
+            "with --set train.schedule_override=true") in err
 
 
 def test_a_new_run_into_an_out_dir_holding_another_run(tmp_path, capsys):

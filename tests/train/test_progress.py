@@ -112,12 +112,12 @@ def test_plain_lines_and_no_bar_on_a_pipe():
     logger = ProgressLogger(200, 10, 1024, CPU, flops_per_token=6e6, peak_flops=1e12,
                             print_fn=printed.append, log=LogConfig(progress_bar="auto"), bar_stream=pipe)
     run_steps(logger, range(11))
-    logger.eval(10, 3.0)
+    logger.eval(10, 3.0, val_bpb=1.25)   # bits per byte: from the data's byte counts, not the loss
     logger.close()
     assert logger.bar is None and pipe.getvalue() == ""
     assert len(printed) == 3 and all(LINE.match(line) for line in printed[:2]), printed
     assert printed[1].startswith("step 10/200 | loss 4.4500 | lr 1.0e-03 | grad_norm 1.00")
-    assert printed[2] == "eval step 10/200 | val_loss 3.0000 | val_bpb 4.328"
+    assert printed[2] == "eval step 10/200 | val_loss 3.0000 | val_bits_per_token 4.328 | val_bpb 1.250"
 
 
 def test_bar_on_a_terminal_redraws_in_place():
@@ -179,16 +179,22 @@ def test_tensorboard_writes_event_files(tmp_path):
     accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
     accumulator.Reload()
     scalars = accumulator.Tags()["scalars"]
-    expected = {"loss", "tokens_per_s", "val_loss", "val_loss_by_position/0-64", "summary/final_loss"}
-    assert expected <= set(scalars)
-    assert [e.step for e in accumulator.Scalars("loss")] == [0, 2, 3]
+    expected = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mem_mib", "eval/loss",
+                "eval/loss_by_position/0-64", "summary/final_loss"}
+    assert expected <= set(scalars) and "loss" not in scalars     # grouped, not flat
+    assert [e.step for e in accumulator.Scalars("train/loss")] == [0, 2, 3]
+    assert [e.value for e in accumulator.Scalars("eval/loss")] == [2.5]
+    assert "run/checkpoint/text_summary" in accumulator.Tags()["tensors"]    # strings as text
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(variable, str(tmp_path / "wandb_home"))
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for variable in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_NAME", "WANDB_ENTITY", "WANDB_DIR", "WANDB_RUN_ID",
+                     "WANDB_RESUME"):
+        monkeypatch.delenv(variable, raising=False)
+    wandb.teardown()  # W&B reads its environment once per process setup: a fresh one, left to no one
     log = LogConfig(wandb_project="gdn-test", progress_bar="off")      # offline by default
     for first_step, steps in ((0, range(3)), (2, range(2, 4))):
         logger = ProgressLogger(4, 1, 64, CPU, out_dir=str(tmp_path), print_fn=lambda _: None, log=log,

@@ -15,7 +15,6 @@ from gdn_parallel.model import HybridLM
 from gdn_parallel.train.__main__ import build_parser, load_config, main, resolve_config_path
 from gdn_parallel.train.optim import param_groups
 from gdn_parallel.train.progress import ProgressLogger, format_duration
-from gdn_parallel.train.schedule import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^step \d+/\d+ \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
@@ -68,15 +67,6 @@ def test_bad_override_names_the_field(argv, field, capsys):
         main(argv)
     assert info.value.code == 2
     assert field in capsys.readouterr().err
-
-
-def test_schedule_warmup_then_cosine_to_min():
-    lrs = [lr_at(s, 1.0, 10, 100, 0.1) for s in range(100)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    assert lrs[-1] == pytest.approx(0.1) and lrs[55] == pytest.approx(0.55, abs=0.02)
-    assert lr_at(0, 2.0, 0, 1, 0.1) == 2.0
 
 
 def test_no_weight_decay_on_vectors_and_marked_params():
