@@ -191,7 +191,7 @@ def read_trainer_state(path: Path) -> Dict[str, Any]:
         saved = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise CheckpointUnreadable(f"{file} cannot be read as JSON ({type(err).__name__}: {err}); the checkpoint is "
-                              f"damaged: take another one") from None
+                                   f"damaged: take another one") from None
     if not (isinstance(saved, dict) and isinstance(saved.get("step"), int) and isinstance(saved.get("config"), dict)
             and isinstance(saved.get("data", {}).get("stream"), dict)):
         raise CheckpointUnreadable(f"{file} lacks the step, config or data position a gdn_parallel checkpoint records")
@@ -216,9 +216,9 @@ def _check_index(path: Path, targets: Dict[str, torch.Tensor]) -> None:
     entries = read_metadata(path).state_dict_metadata
     missing = sorted(key for key in targets if key not in entries)
     if missing:
-        raise CheckpointUnreadable(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs "
-                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); the checkpoint is "
-                              f"incomplete: take another one")
+        named = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise CheckpointUnreadable(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs ({named}); "
+                                   f"the checkpoint is incomplete: take another one")
     wrong = [f"{key}: {tuple(entries[key].size)} saved, {tuple(t.shape)} here" for key, t in targets.items()
              if tuple(entries[key].size) != tuple(t.shape)]
     if wrong:
@@ -273,8 +273,8 @@ def _read_rng(file: Path) -> dict:
     try:
         state = load_tensors_file(file)
     except Exception as err:
-        raise CheckpointError(f"{file} is not an RNG state file that can be read safely ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]})") from None
+        raise CheckpointError(f"{file} is not an RNG state file that can be read safely ({ranks.describe(err)})") \
+            from None
     ok = (isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor)
           and isinstance(state.get("python"), tuple))
     if not ok:

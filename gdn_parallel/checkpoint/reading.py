@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .errors import CheckpointError, CheckpointUnreadable
+from .ranks import describe
 
 METADATA_FILE = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -71,12 +72,12 @@ def read_metadata(path) -> Metadata:
         data = file.read_bytes()
     except OSError as err:
         raise CheckpointUnreadable(f"{file} cannot be read ({err.strerror or err}); the checkpoint is incomplete: "
-                              f"copy the whole directory or take another checkpoint") from None
+                                   f"copy the whole directory or take another checkpoint") from None
     try:
         metadata = _IndexUnpickler(io.BytesIO(data)).load()
     except Exception as err:  # a torn file ends in any of several errors: name the file, not the pickle
         raise CheckpointUnreadable(f"{file} is not a checkpoint index that can be read safely ({type(err).__name__}: "
-                              f"{err}); the file is damaged or was not written by torch.distributed.checkpoint") \
+                                   f"{err}); the file is damaged or was not written by torch.distributed.checkpoint") \
             from None
     _check_form(metadata, file)
     return metadata
@@ -88,17 +89,17 @@ def _check_form(metadata: Any, file: Path) -> None:
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata):
             raise CheckpointUnreadable(f"{file}: entry {key!r} is a {type(entry).__name__}, not a tensor; gdn_parallel "
-                                  f"checkpoints hold tensors only (other entries would be unpickled)")
+                                       f"checkpoints hold tensors only (other entries would be unpickled)")
     if not isinstance(metadata.storage_data, dict):
         raise CheckpointUnreadable(f"{file} has no storage table")
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _DATA_FILE.match(name):
             raise CheckpointUnreadable(f"{file} points at the data file {name!r}; only __<rank>_<n>.distcp files inside "
-                                  f"the checkpoint are read")
+                                       f"the checkpoint are read")
         if getattr(info, "transform_descriptors", None):
             raise CheckpointUnreadable(f"{file} asks for storage transforms {info.transform_descriptors}; gdn_parallel "
-                                  f"checkpoints are written without any")
+                                       f"checkpoints are written without any")
 
 
 def unreadable_tensors(path, names) -> Optional[str]:
@@ -119,10 +120,13 @@ def unreadable_tensors(path, names) -> Optional[str]:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"a {type(value).__name__} at offset {offset}")
         except Exception as err:
-            lines = str(err).strip().splitlines()
-            return (f"{file} does not hold tensor data that can be read safely ({type(err).__name__}: "
-                    f"{lines[0][:200] if lines else ''})")
+            return unsafe_tensor_data(file, err)
     return None
+
+
+def unsafe_tensor_data(file, err: BaseException) -> str:
+    """The refusal of a data file whose bytes are not a tensor torch's weights_only loader reads."""
+    return f"{file} does not hold tensor data that can be read safely ({describe(err)})"
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -136,7 +140,6 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
-
 
     def read_data(self, plan, planner):
         """DCP's read, naming the data file whose bytes are not a tensor (DCP's error names none)."""
@@ -156,9 +159,7 @@ class SafeFileSystemReader(FileSystemReader):
         except CheckpointError:
             raise
         except Exception as err:
-            lines = str(err).strip().splitlines()
-            raise CheckpointUnreadable(f"{opened[-1] if opened else 'a data file'} does not hold tensor data that can be "
-                                  f"read safely ({type(err).__name__}: {lines[0][:200] if lines else ''})") from None
+            raise CheckpointUnreadable(unsafe_tensor_data(opened[-1] if opened else "a data file", err)) from None
         finally:
             del self.fs.create_stream
 
@@ -168,4 +169,4 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         raise CheckpointUnreadable(f"the checkpoint holds a non-tensor entry {read_item.dest_index.fqn!r}; it is not "
-                              f"unpickled")
+                                   f"unpickled")
