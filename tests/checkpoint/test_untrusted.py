@@ -183,3 +183,13 @@ def test_a_damaged_checkpoint_at_train_steps_does_not_pass_for_the_finished_run(
     assert f"resume | {damaged} fails verification (" in printed and named in printed, printed
     recorded = integrity.read_manifest(damaged)
     assert integrity.find_damage(damaged, sorted(recorded), recorded) == [], "the new final checkpoint"
+
+
+def test_an_empty_rng_file_without_checksums_is_refused_in_one_line(saved, tmp_path, capsys):
+    """torch.load of an empty file raises EOFError with no message: the refusal still names the file."""
+    out_dir = copy_run(saved, tmp_path)
+    checkpoint = out_dir / "checkpoints" / "step_4"
+    (checkpoint / "rng_rank0.pt").write_bytes(b"")
+    (checkpoint / integrity.MANIFEST).unlink()   # a checkpoint from before checksums
+    err = refused(capsys, out_dir, str(checkpoint))
+    assert "rng_rank0.pt is not an RNG state file that can be read safely (EOFError" in err, err
