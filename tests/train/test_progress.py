@@ -205,5 +205,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
         logger.close({"final_loss": 4.7})
     run_id = (tmp_path / "wandb_run_id").read_text().strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(run.name.endswith(run_id) for run in runs)   # the resume continues it
+    # W&B names a run's folder offline-run-<time>-<id>, adding -1 when a resume starts within the same second
+    run_ids = [re.fullmatch(r"offline-run-\d{8}_\d{6}-(\w+?)(-\d+)?", run.name).group(1) for run in runs]
+    assert run_ids == [run_id, run_id]                                          # the resume continues it
     assert all(list(run.glob("*.wandb")) for run in runs)
