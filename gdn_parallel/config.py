@@ -11,9 +11,11 @@ import dataclasses
 import functools
 import math
 import os
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional, Tuple, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -58,7 +60,7 @@ class ConfigError(ValueError):
 
 
 # A range rule: (field, test on the value, what the value must be, with the fix).
-Rule = Tuple[str, Callable[[Any], bool], str]
+Rule = tuple[str, Callable[[Any], bool], str]
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
@@ -88,7 +90,7 @@ def _power_of_two(value: int) -> bool:
 _SEED_RULE = (lambda value: -2 ** 63 <= value < 2 ** 64,
               "must be an integer in [-2**63, 2**64) (what torch.manual_seed takes), e.g. 0")
 
-MODEL_RULES: Tuple[Rule, ...] = (
+MODEL_RULES: tuple[Rule, ...] = (
     ("vocab_size", _at_least(1), "must be >= 1: the number of token ids (256 for bytes)"),
     ("hidden_size", _at_least(1), "must be >= 1: the model width, e.g. 128"),
     ("n_layers", _at_least(1), "must be >= 1: the number of blocks"),
@@ -120,7 +122,7 @@ MODEL_RULES: Tuple[Rule, ...] = (
      "must be a number > 0: the std of the initial weights, e.g. 0.02"),
 )
 
-DATA_RULES: Tuple[Rule, ...] = (
+DATA_RULES: tuple[Rule, ...] = (
     ("source", lambda value: value == "" or bool(value.strip()),   # '': data.blend names the data
      "must name the data: 'stdlib', a directory, a file or a glob of text files, a directory "
      "written by gdn-prepare-data or a Megatron-LM indexed dataset prefix (path/name_text_document)"),
@@ -132,7 +134,7 @@ DATA_RULES: Tuple[Rule, ...] = (
      "for every file"),
 )
 
-TRAIN_RULES: Tuple[Rule, ...] = (
+TRAIN_RULES: tuple[Rule, ...] = (
     ("seq_len", _at_least(2),
      "must be >= 2: a sequence needs an input token and the label after it, e.g. 256"),
     ("batch_size", _at_least(1), "must be >= 1: sequences per optimizer step"),
@@ -165,12 +167,12 @@ TRAIN_RULES: Tuple[Rule, ...] = (
      "failing; keep it above the slowest first step (Triton compilation on CUDA: about 3 minutes), e.g. 600"),
 )
 
-CHECKPOINT_RULES: Tuple[Rule, ...] = (
+CHECKPOINT_RULES: tuple[Rule, ...] = (
     ("interval", _at_least(0), "must be >= 0: optimizer steps between checkpoints (0: only the last step)"),
     ("keep", _at_least(0), "must be >= 0: the newest complete checkpoints kept (0: all)"),
 )
 
-PARALLEL_RULES: Tuple[Rule, ...] = tuple(
+PARALLEL_RULES: tuple[Rule, ...] = tuple(
     (name, _at_least(1), f"must be >= 1: {what}") for name, what in (
         ("tp", "the tensor-parallel degree (1: off)"), ("pp", "the pipeline-parallel degree (1: off)"),
         ("cp", "the context-parallel degree (1: off)"), ("dp", "the data-parallel degree (1: off)"),
@@ -187,7 +189,7 @@ class ModelConfig:
     layer_pattern: str = "GS"
     # Gated DeltaNet (flash-linear-attention's names and defaults where they exist)
     gdn_num_heads: int = 2
-    gdn_num_v_heads: Optional[int] = None
+    gdn_num_v_heads: int | None = None
     gdn_head_dim: int = 32
     gdn_expand_v: float = 2.0
     gdn_use_gate: bool = True
@@ -198,8 +200,8 @@ class ModelConfig:
     conv_bias: bool = False
     # attention (S and A layers)
     attn_num_heads: int = 4
-    attn_num_kv_heads: Optional[int] = None
-    attn_head_dim: Optional[int] = None
+    attn_num_kv_heads: int | None = None
+    attn_head_dim: int | None = None
     window_size: int = 64
     rope_theta: float = 10000.0
     attn_output_gate: bool = False
@@ -207,14 +209,14 @@ class ModelConfig:
     attn_impl: str = "auto"
     # SwiGLU MLP; intermediate_size defaults to flash-linear-attention's rule
     hidden_ratio: float = 4.0
-    intermediate_size: Optional[int] = None
+    intermediate_size: int | None = None
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # lm_head + cross-entropy a chunk of tokens at a time (gdn_kernels.linear_cross_entropy): the
     # [tokens, vocab] logits are never held at once. Logits are still returned without labels.
     # null (the default): on where CUDA is available, off elsewhere.
-    fused_linear_cross_entropy: Optional[bool] = None
+    fused_linear_cross_entropy: bool | None = None
 
     @property
     def layer_types(self) -> str:
@@ -355,7 +357,7 @@ class DataConfig:
                               "Megatron-LM prefix, or list weighted sources in data.blend")
 
     @property
-    def suffixes(self) -> Tuple[str, ...]:
+    def suffixes(self) -> tuple[str, ...]:
         """data.text_suffixes as lower-case suffixes; () means every file."""
         parsed = self.parse_suffixes(self.text_suffixes)
         if parsed is None:
@@ -364,7 +366,7 @@ class DataConfig:
         return parsed
 
     @staticmethod
-    def parse_suffixes(value: str) -> Optional[Tuple[str, ...]]:
+    def parse_suffixes(value: str) -> tuple[str, ...] | None:
         """'.txt, .MD' -> ('.txt', '.md'); '*' -> () (every file); None when malformed."""
         if not isinstance(value, str):
             return None
@@ -488,8 +490,8 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    def validate(self, model: Optional[ModelConfig] = None, train: Optional["TrainConfig"] = None,
-                 world_size: Optional[int] = None) -> "ParallelConfig":
+    def validate(self, model: ModelConfig | None = None, train: TrainConfig | None = None,
+                 world_size: int | None = None) -> ParallelConfig:
         _check_fields(self, "parallel", PARALLEL_RULES)
         _check_choice(self, "parallel", "pp_schedule", PP_SCHEDULES)
         _check_choice(self, "parallel", "data_parallel", DATA_PARALLEL_MODES)
@@ -530,7 +532,7 @@ class ParallelConfig:
             raise ConfigError(f"model.n_layers={model.n_layers} < pipeline stages parallel.pp * "
                               f"virtual_stages = {stages}; use fewer stages or more layers")
 
-    def _validate_train(self, train: "TrainConfig") -> None:
+    def _validate_train(self, train: TrainConfig) -> None:
         if self.pp > 1 and train.microbatches < self.pp:
             raise ConfigError(f"train.microbatch_size={train.microbatch_size} gives {train.microbatches} "
                               f"micro-batch(es) of train.batch_size={train.batch_size}, fewer than the "
@@ -554,7 +556,7 @@ class CheckpointConfig:
     async_save: bool = False     # torch.distributed.checkpoint async save: training goes on while it writes
     enabled: bool = True         # false: no checkpoints at all (a run that is never resumed)
 
-    def validate(self, train: Optional["TrainConfig"] = None) -> None:
+    def validate(self, train: TrainConfig | None = None) -> None:
         _check_fields(self, "checkpoint", CHECKPOINT_RULES)
         if train is not None and self.enabled and self.interval and not train.out_dir:
             raise ConfigError(f"checkpoint.interval={self.interval} needs train.out_dir (checkpoints go to "
@@ -576,7 +578,7 @@ class LogConfig:
         import os
         return bool(self.wandb_project) and (os.environ.get("WANDB_MODE") or self.wandb_mode) != "disabled"
 
-    def validate(self, train: Optional["TrainConfig"] = None) -> None:
+    def validate(self, train: TrainConfig | None = None) -> None:
         """Besides the choices: the backends asked for are installed (checked on every rank, before
         any process group exists) and, given `train`, have a train.out_dir to write to."""
         import importlib.util
@@ -604,7 +606,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
-    def validate(self, world_size: Optional[int] = None) -> "Config":
+    def validate(self, world_size: int | None = None) -> Config:
         self.model.validate()
         self.data.validate()
         self.train.validate()
@@ -617,12 +619,12 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
+    def from_dict(cls, data: dict) -> Config:
         return _build(cls, data or {}, "")
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path], overrides: Optional[list] = None,
-                  validate: bool = True) -> "Config":
+    def from_yaml(cls, path: str | Path, overrides: list | None = None,
+                  validate: bool = True) -> Config:
         """Load a YAML file, apply `section.field=value` overrides, then validate (unless told not to:
         the CLI adjusts a few fields first)."""
         path = Path(path)
@@ -640,7 +642,7 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def with_overrides(self, overrides: list) -> "Config":
+    def with_overrides(self, overrides: list) -> Config:
         """Apply `section.field=value` strings (value parsed as YAML)."""
         data = self.to_dict()
         for item in overrides:
@@ -649,7 +651,7 @@ class Config:
         return Config.from_dict(data)
 
 
-def parse_override(item: str, sections: Optional[dict] = None) -> Tuple[str, str, Any]:
+def parse_override(item: str, sections: dict | None = None) -> tuple[str, str, Any]:
     """`section.field=value` -> (section, field, value parsed as YAML); `sections` (a config as a
     dict, defaults if None) says which sections and fields exist."""
     sections = Config().to_dict() if sections is None else sections
@@ -712,12 +714,12 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror}") from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_types(cls) -> dict:
     return get_type_hints(cls)
 
 
-def _check_fields(obj, section: str, rules: Tuple[Rule, ...]) -> None:
+def _check_fields(obj, section: str, rules: tuple[Rule, ...]) -> None:
     """Every field's type (as when read from YAML, so configs built in code are held to the same
     rules), then the range rules of `rules`."""
     hints = _field_types(type(obj))
@@ -797,7 +799,7 @@ def _build(cls, data: dict, prefix: str):
 
 
 def _coerce(value, hint, name):
-    optional = get_origin(hint) is Union and type(None) in get_args(hint)
+    optional = get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
     if value is None:
         if optional:
             return None

@@ -26,7 +26,6 @@ plain torch with the same chunking.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -191,7 +190,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          ignore_index: int, vocab_start: int = 0, group=None,
-                         chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                         chunk_tokens: int | None = None) -> torch.Tensor:
     """Summed cross-entropy of `hidden @ weight.T` over tokens whose label is not `ignore_index`.
 
     hidden [..., D], weight [V_local, D] (same dtype), labels [...] (long, global vocab ids in

@@ -27,8 +27,6 @@ buffer. No atomics, and the split depends on the shape only, so the same inputs 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -102,7 +100,7 @@ def _blocks(n: int, elements: int):
 
 class _RowNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, gate, eps: float, mean: bool, out_dtype: Optional[torch.dtype] = None):
+    def forward(ctx, x, weight, gate, eps: float, mean: bool, out_dtype: torch.dtype | None = None):
         n = x.shape[-1]
         if n > MAX_HIDDEN:
             raise ValueError(f"fused norms hold a row in registers: last dim {n} > {MAX_HIDDEN}")
@@ -151,8 +149,8 @@ def triton_l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return _RowNorm.apply(x, None, None, eps, False)
 
 
-def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: Optional[torch.Tensor] = None,
-                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight [* silu(gate)] over the last dim (<= 8192): normalise,
     then gate. fp32 math; output in out_dtype (default x's), dx in x's dtype, dweight in weight's,
     dgate in gate's."""

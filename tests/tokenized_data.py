@@ -2,7 +2,6 @@
 document by its post-processor) and a dataset prepared with it by tools/prepare_data.py, for the tests
 of val_bpb and of Hugging Face exports."""
 from pathlib import Path
-from typing import List
 
 import pytest
 
@@ -11,7 +10,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while naïve café owners si
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 
-def texts(count: int = 60, seed: int = 0) -> List[str]:
+def texts(count: int = 60, seed: int = 0) -> list[str]:
     """Documents of 8 to 40 words, some starting or ending with spaces (offsets with gaps)."""
     import random
     rng = random.Random(seed)
@@ -22,7 +21,7 @@ def texts(count: int = 60, seed: int = 0) -> List[str]:
     return made
 
 
-def byte_level_bpe(path: Path, documents: List[str], vocab_size: int = 300):
+def byte_level_bpe(path: Path, documents: list[str], vocab_size: int = 300):
     """Trains, saves at `path` and returns the tokenizer (ids 0, 1, 2: <s>, </s>, <pad>)."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -38,9 +37,10 @@ def byte_level_bpe(path: Path, documents: List[str], vocab_size: int = 300):
     return tokenizer
 
 
-def prepare_bpe_dataset(root: Path, documents: List[str], *extra: str) -> Path:
+def prepare_bpe_dataset(root: Path, documents: list[str], *extra: str) -> Path:
     """root/tokenizer.json and root/data (prepared from root/in/docs.jsonl with it); returns root/data."""
     import json
+
     import tools.prepare_data as tool
     (root / "in").mkdir(parents=True)
     byte_level_bpe(root / "tokenizer.json", documents)

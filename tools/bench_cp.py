@@ -23,17 +23,24 @@ import torch.nn.functional as F
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from bench_common import (env_info, free_memory, measure, print_table, profile_step, setup_distributed,
-                          write_json)
+from bench_common import (  # noqa: E402  (after the path set-up above)
+    env_info,
+    free_memory,
+    measure,
+    print_table,
+    profile_step,
+    setup_distributed,
+    write_json,
+)
 
-from gdn_parallel.config import ModelConfig
-from gdn_parallel.data.packing import PackedBatch, pack_pieces
-from gdn_parallel.model import HybridLM
-from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
-from gdn_parallel.ops.rope import positions_from_cu_seqlens
-from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing
-from gdn_parallel.comm import CPContext
-from gdn_parallel.parallel.batch import cp_loss, shard_batch
+from gdn_parallel.comm import CPContext  # noqa: E402  (after the path set-up above)
+from gdn_parallel.config import ModelConfig  # noqa: E402  (after the path set-up above)
+from gdn_parallel.data.packing import PackedBatch, pack_pieces  # noqa: E402  (after the path set-up above)
+from gdn_parallel.model import HybridLM  # noqa: E402  (after the path set-up above)
+from gdn_parallel.ops.gated_delta_rule import gated_delta_rule  # noqa: E402  (after the path set-up above)
+from gdn_parallel.ops.rope import positions_from_cu_seqlens  # noqa: E402  (after the path set-up above)
+from gdn_parallel.parallel.batch import cp_loss, shard_batch  # noqa: E402  (after the path set-up above)
+from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402  (after the path set-up above)
 
 PATTERNS = {"gdn": "G", "h1": "GS"}
 COLUMNS = [("level", "level", "s"), ("model/op", "name", "s"), ("algorithm", "algorithm", "s"),

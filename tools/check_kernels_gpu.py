@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdn_kernels.gated_delta_rule as gdn_triton  # noqa: E402
+
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule, l2_normalize  # noqa: E402
 from gdn_parallel.ops.gated_delta_rule.gates import activate_gates  # noqa: E402
 

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -92,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     parts = list(PARTS) if args.part == "all" else [args.part]
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -112,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 args.out.write_text(json.dumps(results, indent=1, default=str))
     finally:
         workspace.close()
-    for part, found in results["parts"].items():
+    for found in results["parts"].values():
         print(found["tally_line"])
     return 0
 

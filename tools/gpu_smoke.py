@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     extra = [x for o in args.overrides for x in ("--set", o)]
     results = []
     import torch
+
     from gdn_parallel.config import Config
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

@@ -31,8 +31,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,7 @@ def lift_fla_guard() -> bool:
     return bool(affected)
 
 
-def load_side(side: str, work: Path, device) -> Tuple[torch.nn.Module, Callable]:
+def load_side(side: str, work: Path, device) -> tuple[torch.nn.Module, Callable]:
     if side == "ours":
         from gdn_parallel.convert import model_from_hf
         model = model_from_hf(work / HF, device=device)
@@ -119,7 +119,7 @@ def load_side(side: str, work: Path, device) -> Tuple[torch.nn.Module, Callable]
     return model, loss_sum
 
 
-def export_mismatches(side: str, model: torch.nn.Module, work: Path) -> List[str]:
+def export_mismatches(side: str, model: torch.nn.Module, work: Path) -> list[str]:
     """Tensors of the loaded model that differ from the exported folder (names as exported)."""
     from gdn_parallel.convert.hf_format import hf_name
     from gdn_parallel.convert.safetensors_io import read_folder
@@ -134,7 +134,7 @@ def export_mismatches(side: str, model: torch.nn.Module, work: Path) -> List[str
     return wrong + [f"{key} (not loaded)" for key in missing]
 
 
-def group_summary(optimizer) -> List[dict]:
+def group_summary(optimizer) -> list[dict]:
     return [{"weight_decay": g["weight_decay"], "tensors": len(g["params"]),
              "elements": sum(p.numel() for p in g["params"])} for g in optimizer.param_groups]
 
@@ -230,7 +230,7 @@ def gradients(work_dir: str, tokens: int, out: str) -> None:
     row = next(TokenBatches.from_config(config.data, tokens, 1)).to(device)
     count = int((row.labels != IGNORE_INDEX).sum())
 
-    def grads_of(side: str, autocast: bool, impl: str = "auto") -> Dict[str, torch.Tensor]:
+    def grads_of(side: str, autocast: bool, impl: str = "auto") -> dict[str, torch.Tensor]:
         model, loss_sum = load_side(side, work, device)
         if side == "ours":
             for module in model.modules():

@@ -21,7 +21,6 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import List, Optional
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -43,7 +42,7 @@ def partial_path(out_dir: str, step: int) -> Path:
     return checkpoints_dir(out_dir) / f"step_{step}.partial"
 
 
-def step_of(path: Path) -> Optional[int]:
+def step_of(path: Path) -> int | None:
     """N of a `step_<N>` directory, else None."""
     match = _STEP_DIR.match(Path(path).name)
     return int(match.group(1)) if match else None
@@ -53,7 +52,7 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
 
 
-def complete_checkpoints(out_dir: str) -> List[Path]:
+def complete_checkpoints(out_dir: str) -> list[Path]:
     """Complete checkpoints under out_dir, oldest first."""
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
@@ -66,7 +65,7 @@ def complete_checkpoints(out_dir: str) -> List[Path]:
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(out_dir: str) -> Optional[Path]:
+def latest_checkpoint(out_dir: str) -> Path | None:
     found = complete_checkpoints(out_dir)
     return found[-1] if found else None
 
@@ -81,7 +80,7 @@ def publish(out_dir: str, step: int) -> Path:
     return final
 
 
-def prune(out_dir: str, keep: int) -> List[Path]:
+def prune(out_dir: str, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints (keep 0: delete none); returns the deleted."""
     if keep <= 0:
         return []
@@ -91,7 +90,7 @@ def prune(out_dir: str, keep: int) -> List[Path]:
     return old
 
 
-def set_aside_after(out_dir: str, step: int) -> List[Path]:
+def set_aside_after(out_dir: str, step: int) -> list[Path]:
     """Move the complete checkpoints of out_dir past `step` (an abandoned line, after a rollback to
     `step`) to checkpoints/abandoned/<time>/; returns where they went (rank 0, before training)."""
     later = [path for path in complete_checkpoints(out_dir) if step_of(path) > step]

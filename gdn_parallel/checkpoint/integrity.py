@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def _threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1)))
 
 
-def _piece_sums(path: Path, index: int, size: int) -> List[int]:
+def _piece_sums(path: Path, index: int, size: int) -> list[int]:
     """[sum of words, sum of block sums weighted by block number] of piece `index` of the file."""
     begin = index * PIECE_BYTES
     length = min(PIECE_BYTES, size - begin)
@@ -50,7 +50,7 @@ def _piece_sums(path: Path, index: int, size: int) -> List[int]:
         return [int(blocks.sum(dtype=np.uint64)), int((blocks * places).sum(dtype=np.uint64))]
 
 
-def checksums(directory: Path, names: Sequence[str]) -> Dict[str, dict]:
+def checksums(directory: Path, names: Sequence[str]) -> dict[str, dict]:
     """{"size": bytes, "sum64": [[the two sums] of each 64 MiB piece]} of each named file of
     `directory`, every piece of every file shared out to one pool of threads."""
     directory = Path(directory)
@@ -58,13 +58,13 @@ def checksums(directory: Path, names: Sequence[str]) -> Dict[str, dict]:
     jobs = [(name, index) for name in names for index in range(max(1, -(-sizes[name] // PIECE_BYTES)))]
     with ThreadPoolExecutor(_threads()) as pool:
         sums = list(pool.map(lambda job: _piece_sums(directory / job[0], job[1], sizes[job[0]]), jobs))
-    found: Dict[str, dict] = {name: {"size": sizes[name], "sum64": []} for name in names}
+    found: dict[str, dict] = {name: {"size": sizes[name], "sum64": []} for name in names}
     for (name, _), piece in zip(jobs, sums):
         found[name]["sum64"].append(piece)
     return found
 
 
-def write_manifest(directory: Path, entries: Dict[str, dict]) -> None:
+def write_manifest(directory: Path, entries: dict[str, dict]) -> None:
     (Path(directory) / MANIFEST).write_text(json.dumps({"version": MANIFEST_VERSION, "files": entries}))
 
 
@@ -78,7 +78,7 @@ class Damage:
         return f"{self.file}: {self.problem}"
 
 
-def read_manifest(directory: Path) -> Optional[Dict[str, dict]]:
+def read_manifest(directory: Path) -> dict[str, dict] | None:
     """The recorded checksums, or None when the checkpoint has none (written before they existed).
     A damaged manifest is itself damage (raises ValueError naming it)."""
     path = Path(directory) / MANIFEST
@@ -97,7 +97,7 @@ def read_manifest(directory: Path) -> Optional[Dict[str, dict]]:
     return files
 
 
-def find_damage(directory: Path, names: Sequence[str], recorded: Dict[str, dict]) -> List[Damage]:
+def find_damage(directory: Path, names: Sequence[str], recorded: dict[str, dict]) -> list[Damage]:
     """Check the named files of `directory` against their recorded checksums."""
     damage, present = [], []
     for name in names:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,8 +24,13 @@ from torch.distributed.checkpoint import CheckpointException
 from ..config import Config, ConfigError
 from . import files, integrity, ranks
 from .errors import CheckpointError, CheckpointUnreadable
-from .reading import (SafeFileSystemReader, TensorsOnlyLoadPlanner, load_tensors_file, read_metadata,
-                      unreadable_tensors)
+from .reading import (
+    SafeFileSystemReader,
+    TensorsOnlyLoadPlanner,
+    load_tensors_file,
+    read_metadata,
+    unreadable_tensors,
+)
 from .state import apply_loaded, targets_to_load
 
 
@@ -32,7 +38,7 @@ def _is_data(name: str) -> bool:
     return name.endswith(".distcp")
 
 
-def _local_damage(path: Path, recorded: Optional[Dict[str, dict]], data: bool) -> Optional[str]:
+def _local_damage(path: Path, recorded: dict[str, dict] | None, data: bool) -> str | None:
     """The first problem in this rank's share of the checkpoint's files: the small ones (index, state,
     RNG, config), or the tensor data files (`data`)."""
     if recorded is None:
@@ -42,20 +48,20 @@ def _local_damage(path: Path, recorded: Optional[Dict[str, dict]], data: bool) -
     return str(damage[0]) if damage else None
 
 
-def _first(problem: Optional[str]) -> Optional[str]:
+def _first(problem: str | None) -> str | None:
     """The lowest rank's problem, the same on every rank (a collective)."""
     found = [p for p in ranks.gathered(problem) if p]
     return found[0] if found else None
 
 
-def _manifest(path: Path) -> Tuple[Optional[Dict[str, dict]], Optional[str]]:
+def _manifest(path: Path) -> tuple[dict[str, dict] | None, str | None]:
     try:
         return integrity.read_manifest(path), None
     except ValueError as err:   # every rank reads the same file: the same answer everywhere
         return None, str(err)
 
 
-def verify(path: Path, data: bool = True) -> Optional[str]:
+def verify(path: Path, data: bool = True) -> str | None:
     """None when checkpoint `path` matches its recorded checksums (or records none: written before
     they existed), else what is wrong, e.g. "__1_0.distcp: checksum mismatch (...)". `data=False`
     checks all but the tensor data files (quick: what is read before the tensors). A collective."""
@@ -82,7 +88,7 @@ class CheckpointDamaged(CheckpointError):
         super().__init__(f"{path} fails verification: {problem}; {_alternative(Path(path))}")
 
 
-def newest_verifying(out_dir: Path, before: Optional[int] = None) -> Optional[Path]:
+def newest_verifying(out_dir: Path, before: int | None = None) -> Path | None:
     """The newest complete checkpoint under out_dir (older than step `before`) that verifies."""
     for path in reversed(files.complete_checkpoints(str(out_dir))):
         if before is not None and files.step_of(path) >= before:
@@ -92,8 +98,8 @@ def newest_verifying(out_dir: Path, before: Optional[int] = None) -> Optional[Pa
     return None
 
 
-def resolve_resume(resume: Optional[str], out_dir: str, say: Callable[[str], None] = lambda line: None
-                   ) -> Optional[Path]:
+def resolve_resume(resume: str | None, out_dir: str, say: Callable[[str], None] = lambda line: None
+                   ) -> Path | None:
     """`--resume auto`: the newest complete checkpoint under out_dir whose small files verify (None
     when there is none yet; those that fail are passed over, said with `say`); `--resume PATH`: that
     checkpoint, which must be complete and verify so. Its data files are verified by `load`. A
@@ -125,7 +131,7 @@ def resolve_resume(resume: Optional[str], out_dir: str, say: Callable[[str], Non
     return path
 
 
-def _small_files_problem(path: Path) -> Optional[str]:
+def _small_files_problem(path: Path) -> str | None:
     """What is wrong with a checkpoint's small files: checksums, then the trainer state and index read
     as resuming reads them (a forger rewrites the checksums); None when they pass. The data files are
     verified while they load."""
@@ -140,7 +146,7 @@ def _small_files_problem(path: Path) -> Optional[str]:
     return None
 
 
-def whole_problem(path: Path) -> Optional[str]:
+def whole_problem(path: Path) -> str | None:
     """What is wrong with checkpoint `path` anywhere, None when nothing is: its small files as
     `resolve_resume` checks them, the checksums of its data files, and its RNG states and every tensor
     read as a load reads them (one at a time, without the model). For a checkpoint that would end its
@@ -153,7 +159,7 @@ def whole_problem(path: Path) -> Optional[str]:
     return f"{path}/{damage}" if damage else _first(_unreadable_share(Path(path)))
 
 
-def _unreadable_share(path: Path) -> Optional[str]:
+def _unreadable_share(path: Path) -> str | None:
     """The first RNG or data file of this rank's share that cannot be read as resuming reads it."""
     for file in sorted(path.glob("rng_rank*.pt"))[ranks.rank()::ranks.world()]:
         try:
@@ -184,7 +190,7 @@ def _alternative(path: Path) -> str:
             else f"no earlier checkpoint of {path.parent.parent} verifies")
 
 
-def read_trainer_state(path: Path) -> Dict[str, Any]:
+def read_trainer_state(path: Path) -> dict[str, Any]:
     """trainer_state.json of checkpoint `path`, checked for the entries resuming reads."""
     file = Path(path) / files.TRAINER_STATE
     try:
@@ -198,7 +204,7 @@ def read_trainer_state(path: Path) -> Dict[str, Any]:
     return saved
 
 
-def check_compatible(saved: Dict[str, Any], config: Config) -> None:
+def check_compatible(saved: dict[str, Any], config: Config) -> None:
     """The model a checkpoint holds must be the configured one: name every differing model field."""
     saved_model = saved.get("config", {}).get("model", {})
     current = config.to_dict()["model"]
@@ -211,7 +217,7 @@ def check_compatible(saved: Dict[str, Any], config: Config) -> None:
                           f"saved with (its config.yaml) or start a new train.out_dir")
 
 
-def _check_index(path: Path, targets: Dict[str, torch.Tensor]) -> None:
+def _check_index(path: Path, targets: dict[str, torch.Tensor]) -> None:
     """Every tensor to load is in the checkpoint's index at its global shape (else name them)."""
     entries = read_metadata(path).state_dict_metadata
     missing = sorted(key for key in targets if key not in entries)
@@ -226,8 +232,8 @@ def _check_index(path: Path, targets: Dict[str, torch.Tensor]) -> None:
                               f"checkpoint of this model")
 
 
-def load(path: Path, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims, config: Config,
-         same_layout: Callable[[Dict[str, Any]], bool]) -> Dict[str, Any]:
+def load(path: Path, named_params: list[tuple[str, nn.Parameter]], optimizer, dims, config: Config,
+         same_layout: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """Load checkpoint `path` into this rank's parameters and optimizer; returns its trainer state.
     The RNG states are restored when the layout is the same (same ranks). A collective.
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,16 +50,16 @@ def layout_record(config: Config, world: int) -> dict:
     return {"world_size": world, **degrees, "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
 
 
-def checkpoint_record(step: int, config: Config, world: int, data_stream: Dict[str, Any],
-                      **extra: Any) -> Dict[str, Any]:
+def checkpoint_record(step: int, config: Config, world: int, data_stream: dict[str, Any],
+                      **extra: Any) -> dict[str, Any]:
     """What trainer_state.json holds: the step (completed optimizer steps, hence the LR schedule's
     position), the resolved config, the layout, the data stream's position, and any `extra` entries."""
     return {"format_version": FORMAT_VERSION, "step": step, "config": config.to_dict(),
             "layout": layout_record(config, world), "data": {"stream": data_stream}, **extra}
 
 
-def seal(directory: Path, record: Dict[str, Any], config: Config,
-         checksums: Optional[Dict[str, dict]] = None, attachments: Optional[Dict[str, bytes]] = None) -> None:
+def seal(directory: Path, record: dict[str, Any], config: Config,
+         checksums: dict[str, dict] | None = None, attachments: dict[str, bytes] | None = None) -> None:
     """Complete a checkpoint directory whose tensors are written: trainer_state.json, the config to
     resume with (config.yaml), `attachments` (file name -> bytes: the tokenizer of the run's data,
     gdn_parallel/data/tokenizer_record.py), the checksums of every file (`checksums`: those of the files
@@ -77,17 +78,17 @@ def seal(directory: Path, record: Dict[str, Any], config: Config,
     (directory / files.COMPLETE).write_text("")
 
 
-def _files_to_hash(directory: Path) -> List[str]:
+def _files_to_hash(directory: Path) -> list[str]:
     """The files of a checkpoint being written whose checksums are recorded (all but what seal writes)."""
     own = {files.TRAINER_STATE, files.CONFIG_COPY, files.COMPLETE, integrity.MANIFEST}
     return sorted(p.name for p in Path(directory).iterdir() if p.is_file() and p.name not in own)
 
 
-def _shared_checksums(directory: Path) -> Dict[str, dict]:
+def _shared_checksums(directory: Path) -> dict[str, dict]:
     """The checksums of a checkpoint's files, each rank hashing a share (a collective)."""
     names: Sequence[str] = ranks.gathered(_files_to_hash(directory) if ranks.rank() == 0 else None)[0]
     mine = integrity.checksums(directory, names[ranks.rank()::ranks.world()])
-    merged: Dict[str, dict] = {}
+    merged: dict[str, dict] = {}
     for part in ranks.gathered(mine):
         merged.update(part)
     return merged
@@ -98,12 +99,12 @@ class CheckpointSaver:
     save is published (renamed complete) once it has finished, at the latest by the next save or by
     `finish()`. Old complete checkpoints beyond `keep` are deleted as new ones are published."""
 
-    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False, timeout: Optional[timedelta] = None,
-                 attachments: Optional[Dict[str, bytes]] = None):
+    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False, timeout: timedelta | None = None,
+                 attachments: dict[str, bytes] | None = None):
         self.out_dir, self.keep, self.async_save = out_dir, keep, async_save
         self.attachments = dict(attachments or {})   # files every checkpoint of the run carries (seal)
-        self._pending: Optional[Tuple[Any, int, dict, Config]] = None   # an async save: future, step, record, config
-        self.published: List[Path] = []
+        self._pending: tuple[Any, int, dict, Config] | None = None   # an async save: future, step, record, config
+        self.published: list[Path] = []
         # An asynchronous save coordinates the ranks (plan gather, metadata, barrier) from a background
         # thread while training goes on. On the training collectives' group the two threads' calls
         # interleave differently on each rank: tp = 2 deadlocked, dp = 2 aborted with a gloo
@@ -114,8 +115,8 @@ class CheckpointSaver:
         self._save_group = (dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
                             if async_save and dist.is_initialized() and dist.get_world_size() > 1 else None)
 
-    def save(self, step: int, named_params: List[Tuple[str, nn.Parameter]], optimizer, dims, config: Config,
-             data_stream: Dict[str, Any], **extra: Any) -> None:
+    def save(self, step: int, named_params: list[tuple[str, nn.Parameter]], optimizer, dims, config: Config,
+             data_stream: dict[str, Any], **extra: Any) -> None:
         """Write checkpoint `step` (completed optimizer steps) of the run `config` describes.
         data_stream: the stream's position (the same on every rank); extra: more trainer_state.json entries."""
         self.finish()  # one save in flight at a time
@@ -162,7 +163,7 @@ class CheckpointSaver:
             raise self._failed(step, err) from None
         self._publish(step, record, config)
 
-    def _publish(self, step: int, record: Dict[str, Any], config: Config) -> None:
+    def _publish(self, step: int, record: dict[str, Any], config: Config) -> None:
         ranks.barrier()  # every rank's tensors and RNG file are on disk
         partial = files.partial_path(self.out_dir, step)
         checksums = self._agree(step, lambda: _shared_checksums(partial))

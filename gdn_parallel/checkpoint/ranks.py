@@ -6,7 +6,8 @@ every rank: the others would otherwise wait in the next collective until the pro
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,12 @@ def gathered(value):
     """Every rank's `value`, in rank order (a collective)."""
     if world() == 1:
         return [value]
-    values: List = [None] * world()
+    values: list = [None] * world()
     dist.all_gather_object(values, value)
     return values
 
 
-def agree(step: Callable[[], T], failure: Callable[[str], BaseException]) -> Optional[T]:
+def agree(step: Callable[[], T], failure: Callable[[str], BaseException]) -> T | None:
     """Run `step` on this rank; if it raised on any rank, raise `failure(<that rank's error>)` on every
     rank (the lowest failing rank's). Returns this rank's result."""
     result, error = None, None

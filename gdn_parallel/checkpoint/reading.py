@@ -16,7 +16,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -102,7 +102,7 @@ def _check_form(metadata: Any, file: Path) -> None:
                                        f"checkpoints are written without any")
 
 
-def unreadable_tensors(path, names) -> Optional[str]:
+def unreadable_tensors(path, names) -> str | None:
     """What is wrong in data files `names` of checkpoint `path`, read as DCP's reader reads them but
     without a model to load into: each item of the index in those files, one at a time, must be a
     tensor that torch's weights_only loader reads. None when every item is."""

@@ -14,7 +14,7 @@ checkpoint saved under one layout loads under any other.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -40,19 +40,19 @@ def _layout_free(piece: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Ten
     return DTensor.from_local(piece, tp_mesh, [Shard(dim)], run_check=False)
 
 
-def _slots(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> Iterator[Tuple[str, torch.Tensor]]:
+def _slots(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> Iterator[tuple[str, torch.Tensor]]:
     for name, value in sorted(optimizer.state.get(param, {}).items()):
         if isinstance(value, torch.Tensor):
             yield name, value
 
 
-def state_to_save(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optional[torch.optim.Optimizer],
-                  dims) -> Dict[str, torch.Tensor]:
+def state_to_save(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+                  dims) -> dict[str, torch.Tensor]:
     """This rank's part of the checkpoint: every parameter and optimizer slot in layout-free form."""
     if optimizer is not None:
         _check_optimizer_covers(named_params, optimizer)
     tp_mesh = _tp_mesh(dims)
-    state: Dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
     for name, param in named_params:
         state[MODEL + name] = _layout_free(_gathered(param.detach()), param, tp_mesh)
         if optimizer is not None:
@@ -63,7 +63,7 @@ def state_to_save(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optio
     return state
 
 
-def _check_optimizer_covers(named_params: List[Tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
+def _check_optimizer_covers(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
     """Once the optimizer has stepped, every parameter saved must be one it holds state for: a
     parameter object it does not know (FSDP2's unsharded form left exposed, say) would leave its
     slots out of the checkpoint, which could then never be resumed. Fail the save instead."""
@@ -77,8 +77,8 @@ def _check_optimizer_covers(named_params: List[Tuple[str, nn.Parameter]], optimi
                            f"not resume, so it is not written")
 
 
-def targets_to_load(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optional[torch.optim.Optimizer],
-                    dims) -> Dict[str, torch.Tensor]:
+def targets_to_load(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+                    dims) -> dict[str, torch.Tensor]:
     """Buffers of the layout-free form for this rank, for DCP to fill (their values are overwritten)."""
     if optimizer is not None:
         ensure_optimizer_state(optimizer)
@@ -86,8 +86,8 @@ def targets_to_load(named_params: List[Tuple[str, nn.Parameter]], optimizer: Opt
 
 
 @torch.no_grad()
-def apply_loaded(named_params: List[Tuple[str, nn.Parameter]], optimizer: Optional[torch.optim.Optimizer],
-                 loaded: Dict[str, torch.Tensor]) -> None:
+def apply_loaded(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+                 loaded: dict[str, torch.Tensor]) -> None:
     """Copy what DCP read into the parameters and optimizer slots of this rank (its own shards)."""
     for name, param in named_params:
         _copy_into(param, loaded[MODEL + name])

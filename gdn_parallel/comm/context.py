@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ class Outbox:
 
 @dataclass
 class CPContext:
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
     rank: int                       # rank inside the CP group
     size: int                       # CP degree
     global_cu: list                 # global document boundaries, python ints
@@ -53,9 +53,9 @@ class CPContext:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, group: Optional[dist.ProcessGroup], cu_seqlens, local_len: int,
-              algorithm: str = "relay", device=None, rank: Optional[int] = None,
-              size: Optional[int] = None) -> "CPContext":
+    def build(cls, group: dist.ProcessGroup | None, cu_seqlens, local_len: int,
+              algorithm: str = "relay", device=None, rank: int | None = None,
+              size: int | None = None) -> CPContext:
         """`cu_seqlens`: global boundaries (tensor or list; None = one document over all ranks).
 
         `rank`/`size` default to the caller's place in `group` (given explicitly, no group is
@@ -154,7 +154,7 @@ class CPContext:
         last = (self.global_cu[doc + 1] - 1) // self.local_len
         return range(first, last + 1)
 
-    def halo_len(self, width: int, rank: Optional[int] = None) -> int:
+    def halo_len(self, width: int, rank: int | None = None) -> int:
         """Tokens of the same document, at most `width`, that rank `rank` needs from before its shard."""
         rank = self.rank if rank is None else rank
         if width <= 0 or not self.crosses(rank):
@@ -196,7 +196,7 @@ class CPContext:
 
 
 @contextlib.contextmanager
-def sends_finished(plans: Iterable[Optional["CPContext"]]):
+def sends_finished(plans: Iterable[CPContext | None]):
     """The extent of one step: when the block ends, every send started under these plans (None: a
     row without context parallelism) has completed. After an error nothing is waited for: a peer
     that failed would never post its receive."""

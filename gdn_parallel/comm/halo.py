@@ -6,8 +6,6 @@ own received halo with its tokens (multi-hop). Gradients of the halo flow back t
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 from .context import CPContext
@@ -15,7 +13,7 @@ from .p2p import post_recv_from_prev, send_to_next
 
 
 def exchange_halo(cp: CPContext, x: torch.Tensor, width: int, *anchors: torch.Tensor
-                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x: [B, L, ...] local tokens. Returns (halo [B, h, ...] or None, token for `p2p.tie`)."""
     L = x.shape[1]
     h_in = cp.halo_len(width)

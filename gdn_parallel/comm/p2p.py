@@ -11,8 +11,6 @@ incoming gradient, then the work that needs it runs: the backward mirrors the fo
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -49,11 +47,11 @@ class PendingRecv:
         return _ReceivedFromPrev.apply(self.buffer, self.cp, *anchors)
 
 
-def post_recv_from_prev(cp: CPContext, shape, dtype, device) -> Optional[PendingRecv]:
+def post_recv_from_prev(cp: CPContext, shape, dtype, device) -> PendingRecv | None:
     return PendingRecv(cp, shape, dtype, device)
 
 
-def send_to_next(cp: CPContext, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+def send_to_next(cp: CPContext, tensor: torch.Tensor) -> torch.Tensor | None:
     """Start sending `tensor` to rank r + 1. Returns a zero token to add to the op's output (or None
     when no gradient is needed)."""
     if torch.is_grad_enabled() and tensor.requires_grad:
@@ -67,7 +65,7 @@ class StateRelay:
     backward (gdn_kernels' triton_gated_delta_rule): the incoming state (its receive posted early),
     the outgoing final state, and in the backward their gradients."""
 
-    def __init__(self, cp: CPContext, incoming: Optional[PendingRecv]):
+    def __init__(self, cp: CPContext, incoming: PendingRecv | None):
         self.cp, self.incoming = cp, incoming
         self.receives, self.sends = incoming is not None, cp.continues_to_next
 
@@ -89,7 +87,7 @@ class StateRelay:
         _isend(self.cp, grad.detach().to(self.incoming.buffer.dtype).contiguous(), self.cp.rank - 1)
 
 
-def tie(output: torch.Tensor, token: Optional[torch.Tensor]) -> torch.Tensor:
+def tie(output: torch.Tensor, token: torch.Tensor | None) -> torch.Tensor:
     """Make the backward of `output` pass through a send's gradient receive (no copy of `output`)."""
     return output if token is None else _Tie.apply(output, token)
 

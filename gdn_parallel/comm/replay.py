@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Optional
 
 import torch
 
@@ -58,7 +57,7 @@ def record(message: torch.Tensor) -> None:
         state[0].messages.append(message)
 
 
-def replay() -> Optional[torch.Tensor]:
+def replay() -> torch.Tensor | None:
     """The next logged message of the block being recomputed."""
     log = _active.value[0]
     if log.read >= len(log.messages):

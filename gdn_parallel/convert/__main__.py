@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
 
 from ..checkpoint.errors import CheckpointError
 from ..config import ConfigError
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Console entry point: 0 done, 1 reshard mismatch, 2 a user error (message on stderr)."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -8,26 +8,46 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..checkpoint.reading import load_tensors_file
 from ..config import Config, ConfigError, ModelConfig
 from ..data import TokenBatches, check_vocabulary, load_dataset
 from ..data.dataset import data_field
 from ..data.tokenizer_record import TOKENIZER_INFO, tokenizer_files
 from ..model import HybridLM
-from ..checkpoint.reading import load_tensors_file
 from .atomic import new_directory, new_file
 from .dcp_io import read_model, write_checkpoint
 from .errors import ConvertError
-from .hf_format import (CONFIG_FILE, EMBEDDED, from_hf_tensors, hf_config, read_hf_config, source_model_config,
-                        to_hf_tensors)
-from .hf_tokenizer import (check_special_ids, describe, folder_tokenizer, read_checkpoint_tokenizer,
-                           require_same_tokenizer, write_tokenizer_files)
-from .model_tensors import (EMBEDDINGS, KEEP, cast, check_tensors, drop_tied_head, listed,
-                            require_same_architecture)
+from .hf_format import (
+    CONFIG_FILE,
+    EMBEDDED,
+    from_hf_tensors,
+    hf_config,
+    read_hf_config,
+    source_model_config,
+    to_hf_tensors,
+)
+from .hf_tokenizer import (
+    check_special_ids,
+    describe,
+    folder_tokenizer,
+    read_checkpoint_tokenizer,
+    require_same_tokenizer,
+    write_tokenizer_files,
+)
+from .model_tensors import (
+    EMBEDDINGS,
+    KEEP,
+    cast,
+    check_tensors,
+    drop_tied_head,
+    listed,
+    require_same_architecture,
+)
 from .safetensors_io import DEFAULT_SHARD_SIZE, is_safetensors, parse_size, read_folder, write_folder
 
 TORCH_KEYS = ("model", "config")   # a consolidated torch file: {"model": state dict, "config": model config}
@@ -48,7 +68,7 @@ def _checkpoint_model(path) -> tuple:
 
 
 def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHARD_SIZE,
-          say: Optional[Callable[[str], None]] = None) -> Path:
+          say: Callable[[str], None] | None = None) -> Path:
     """The weights, config.json and the tokenizer the checkpoint carries (hf_tokenizer.py); `say` is
     told which tokenizer the export holds."""
     max_bytes = parse_size(shard_size)
@@ -74,7 +94,7 @@ def to_torch(checkpoint, out_file, dtype: str = KEEP) -> Path:
 
 
 # ---------------------------------------------------------------------------- into our checkpoints
-def target_config(source_model: Optional[ModelConfig], source_name: str, config_file: Optional[str],
+def target_config(source_model: ModelConfig | None, source_name: str, config_file: str | None,
                   overrides: Sequence[str] = ()) -> Config:
     """The config the new checkpoint is resumed with: --config FILE (its model must hold the same
     weights as the source's, when the source has one) or the source's model with the default
@@ -103,8 +123,8 @@ def data_stream_start(config: Config, dataset=None) -> dict:
     return stream.state_dict()
 
 
-def _write_new_checkpoint(out, tensors: Dict[str, torch.Tensor], source_model: ModelConfig, source_name: str,
-                          config_file, overrides, dtype: str, source: dict, tokenizer: Optional[dict] = None) -> Path:
+def _write_new_checkpoint(out, tensors: dict[str, torch.Tensor], source_model: ModelConfig, source_name: str,
+                          config_file, overrides, dtype: str, source: dict, tokenizer: dict | None = None) -> Path:
     """`tokenizer`: what made the source's ids, when it says (the new checkpoint's data must be made by
     it too); the checkpoint carries its data's tokenizer, as the trainer's do."""
     check_tensors(tensors, source_model, source_name)
@@ -117,7 +137,7 @@ def _write_new_checkpoint(out, tensors: Dict[str, torch.Tensor], source_model: M
                             attachments)
 
 
-def from_hf(hf_dir, out_checkpoint, config_file: Optional[str] = None, overrides: Sequence[str] = (),
+def from_hf(hf_dir, out_checkpoint, config_file: str | None = None, overrides: Sequence[str] = (),
             dtype: str = KEEP) -> Path:
     folder = Path(hf_dir)
     hf = read_hf_config(folder)
@@ -139,14 +159,14 @@ def model_from_hf(hf_dir, device="cpu") -> HybridLM:
     return _single_device_model(model_config, tensors, device)
 
 
-def model_from_checkpoint(checkpoint, device="cpu") -> Tuple[HybridLM, dict]:
+def model_from_checkpoint(checkpoint, device="cpu") -> tuple[HybridLM, dict]:
     """Our single-device model with a checkpoint's weights (saved under any layout), in their dtype,
     and the trainer state saved with them (its "config" is the run's resolved config)."""
     _, model_config, tensors, saved = _checkpoint_model(checkpoint)
     return _single_device_model(model_config, tensors, device), saved
 
 
-def _single_device_model(model_config: ModelConfig, tensors: Dict[str, torch.Tensor], device) -> HybridLM:
+def _single_device_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], device) -> HybridLM:
     with torch.device("meta"):
         model = HybridLM(model_config)
     model.load_state_dict(tensors, strict=False, assign=True)  # tied: lm_head is the embedding, not a key
@@ -190,7 +210,7 @@ def _is_state_dict(data) -> bool:
                                                          for k, v in data.items())
 
 
-def from_torch(torch_file, out_checkpoint, config_file: Optional[str] = None, overrides: Sequence[str] = (),
+def from_torch(torch_file, out_checkpoint, config_file: str | None = None, overrides: Sequence[str] = (),
                dtype: str = KEEP) -> Path:
     model, tensors = read_torch_file(torch_file)
     source_name = str(torch_file)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -68,7 +68,7 @@ def _what_it_is(path: Path) -> str:
     return "is not a gdn_parallel checkpoint"
 
 
-def tensor_entries(path: Path) -> Dict[str, TensorStorageMetadata]:
+def tensor_entries(path: Path) -> dict[str, TensorStorageMetadata]:
     """key -> global shape and dtype of every tensor in the checkpoint, once it verifies against its
     checksums; its index is read without running code, and its data files must all exist."""
     problem = verify(path)
@@ -83,8 +83,8 @@ def tensor_entries(path: Path) -> Dict[str, TensorStorageMetadata]:
     return dict(metadata.state_dict_metadata)
 
 
-def read_tensors(path: Path, entries: Dict[str, TensorStorageMetadata],
-                 keys: Iterable[str]) -> Dict[str, torch.Tensor]:
+def read_tensors(path: Path, entries: dict[str, TensorStorageMetadata],
+                 keys: Iterable[str]) -> dict[str, torch.Tensor]:
     """The whole (single-device) tensors of `keys`, however many processes wrote them."""
     targets = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
     if targets:
@@ -94,7 +94,7 @@ def read_tensors(path: Path, entries: Dict[str, TensorStorageMetadata],
     return targets
 
 
-def read_model(path) -> Tuple[Path, Dict[str, torch.Tensor], dict]:
+def read_model(path) -> tuple[Path, dict[str, torch.Tensor], dict]:
     """(checkpoint, model tensors by single-device name, trainer state) of a checkpoint or run directory."""
     checkpoint = resolve_checkpoint(path)
     saved = read_trainer_state(checkpoint)
@@ -107,7 +107,7 @@ def read_model(path) -> Tuple[Path, Dict[str, torch.Tensor], dict]:
     return checkpoint, {key[len(MODEL):]: value for key, value in tensors.items()}, saved
 
 
-def fresh_optimizer_slots(model_tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def fresh_optimizer_slots(model_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """AdamW's state before its first step, in the layout-free form (fp32, the trainer's parameters)."""
     slots = {}
     for name, tensor in model_tensors.items():
@@ -117,8 +117,8 @@ def fresh_optimizer_slots(model_tensors: Dict[str, torch.Tensor]) -> Dict[str, t
     return slots
 
 
-def write_checkpoint(out: Path, model_tensors: Dict[str, torch.Tensor], config: Config, data_stream: dict,
-                     source: Optional[dict] = None, attachments: Optional[Dict[str, bytes]] = None) -> Path:
+def write_checkpoint(out: Path, model_tensors: dict[str, torch.Tensor], config: Config, data_stream: dict,
+                     source: dict | None = None, attachments: dict[str, bytes] | None = None) -> Path:
     """A step-0 checkpoint at `out` that the trainer resumes from under any layout (its files beside
     the tensors, `attachments` too (the data's tokenizer), are written by the trainer's own writer,
     checkpoint.manager.seal)."""

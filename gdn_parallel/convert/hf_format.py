@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 
@@ -54,18 +53,18 @@ def hf_name(name: str) -> str:
     return name if name == LM_HEAD else FLA_PREFIX + name
 
 
-def to_hf_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def to_hf_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {hf_name(name): tensor for name, tensor in tensors.items()}
 
 
-def from_hf_tensors(tensors: Dict[str, torch.Tensor], model: ModelConfig, where: str) -> Dict[str, torch.Tensor]:
+def from_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig, where: str) -> dict[str, torch.Tensor]:
     """Our names; names outside fla's model keep theirs (the check against the config names them)."""
     ours = {(name[len(FLA_PREFIX):] if name.startswith(FLA_PREFIX) else name): t for name, t in tensors.items()}
     return drop_tied_head(ours, model, where)
 
 
 # ---------------------------------------------------------------------------- ours -> fla
-def format_refusals(model: ModelConfig) -> List[str]:
+def format_refusals(model: ModelConfig) -> list[str]:
     """What of `model` fla's GatedDeltaNetForCausalLM cannot express (empty: exportable)."""
     types, refused = model.layer_types, []
     if "G" in types and model.conv_bias:
@@ -97,7 +96,7 @@ def _plain_number(value: float):
     return int(value) if float(value).is_integer() else value
 
 
-def hf_config(model: ModelConfig, dtype: torch.dtype, tokenizer: Optional[dict] = None) -> dict:
+def hf_config(model: ModelConfig, dtype: torch.dtype, tokenizer: dict | None = None) -> dict:
     """config.json of `model` (refusals raise ConvertError naming every field fla cannot express);
     `tokenizer`: the identity of what made the ids (hf_tokenizer.py), None when unknown."""
     refused = format_refusals(model)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 from ..data.text_tokenizer import SPECIAL_ROLES
 from ..data.tokenizer_record import TOKENIZER_INFO, TOKENIZER_JSON
@@ -31,7 +30,7 @@ TOKENIZER_CLASS = "PreTrainedTokenizerFast"   # transformers' tokenizer over a t
 ID_FIELDS = {role: role.replace("_token", "_token_id") for role in SPECIAL_ROLES}   # bos_token -> bos_token_id
 
 
-def read_checkpoint_tokenizer(checkpoint: Path) -> Tuple[Optional[dict], Optional[bytes]]:
+def read_checkpoint_tokenizer(checkpoint: Path) -> tuple[dict | None, bytes | None]:
     """(the tokenizer's identity, its tokenizer.json bytes) that a checkpoint carries; (None, None)
     when it carries none, (identity, None) for byte-level data."""
     info_path = Path(checkpoint) / TOKENIZER_INFO
@@ -57,19 +56,19 @@ def read_checkpoint_tokenizer(checkpoint: Path) -> Tuple[Optional[dict], Optiona
     return info, data
 
 
-def carried_files(checkpoint: Path) -> Dict[str, bytes]:
+def carried_files(checkpoint: Path) -> dict[str, bytes]:
     """The tokenizer files a checkpoint carries, as they are (for a checkpoint saved again elsewhere)."""
     return {name: (Path(checkpoint) / name).read_bytes() for name in (TOKENIZER_INFO, TOKENIZER_JSON)
             if (Path(checkpoint) / name).is_file()}
 
 
-def special_token_ids(info: Optional[dict]) -> Dict[str, Optional[int]]:
+def special_token_ids(info: dict | None) -> dict[str, int | None]:
     """config.json's bos_token_id / eos_token_id / pad_token_id (null where there is no such token)."""
     tokens = (info or {}).get("special_tokens") or {}
     return {field: (tokens.get(role) or {}).get("id") for role, field in ID_FIELDS.items()}
 
 
-def check_special_ids(info: Optional[dict], vocab_size: int, where: str) -> None:
+def check_special_ids(info: dict | None, vocab_size: int, where: str) -> None:
     for role, field in ID_FIELDS.items():
         token_id = special_token_ids(info)[field]
         if token_id is not None and token_id >= vocab_size:
@@ -77,7 +76,7 @@ def check_special_ids(info: Optional[dict], vocab_size: int, where: str) -> None
                                f"of {vocab_size} (model.vocab_size): no export could generate or read it")
 
 
-def write_tokenizer_files(folder: Path, info: Optional[dict], tokenizer_json: Optional[bytes]) -> List[str]:
+def write_tokenizer_files(folder: Path, info: dict | None, tokenizer_json: bytes | None) -> list[str]:
     """tokenizer.json and tokenizer_config.json (a tokenizers tokenizer only), and generation_config.json
     (always); returns the names written."""
     ids = special_token_ids(info)
@@ -92,7 +91,7 @@ def write_tokenizer_files(folder: Path, info: Optional[dict], tokenizer_json: Op
     return [TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG]
 
 
-def describe(info: Optional[dict]) -> str:
+def describe(info: dict | None) -> str:
     """One line on what tokenizer an export holds."""
     if info is None:
         return "tokenizer: none (the checkpoint records none: saved before checkpoints carried one, or its data " \
@@ -105,7 +104,7 @@ def describe(info: Optional[dict]) -> str:
     return f"tokenizer: {TOKENIZER_JSON}, {TOKENIZER_CONFIG}, {GENERATION_CONFIG} ({named})"
 
 
-def folder_tokenizer(folder: Path, hf: dict, embedded_key: str) -> Optional[dict]:
+def folder_tokenizer(folder: Path, hf: dict, embedded_key: str) -> dict | None:
     """What made a Hugging Face folder's ids, as far as it says: our export's record (config.json),
     else the sha256 of its tokenizer.json; None when it says nothing."""
     embedded = hf.get(embedded_key)
@@ -117,7 +116,7 @@ def folder_tokenizer(folder: Path, hf: dict, embedded_key: str) -> Optional[dict
     return None
 
 
-def require_same_tokenizer(folder_info: Optional[dict], data_info: Optional[dict], folder: str, data: str) -> None:
+def require_same_tokenizer(folder_info: dict | None, data_info: dict | None, folder: str, data: str) -> None:
     """A folder's weights trained on ids of one tokenizer go on with data made by the same one (when
     both say which)."""
     if folder_info is None or data_info is None:

@@ -2,8 +2,6 @@
 dtype casts, and the architecture two configs must share to hold the same weights."""
 from __future__ import annotations
 
-from typing import Dict, Optional
-
 import torch
 
 from ..config import ModelConfig
@@ -15,14 +13,14 @@ KEEP = "keep"
 EMBEDDINGS, LM_HEAD = "embeddings.weight", "lm_head.weight"   # our names (fla's: under `model.`, and lm_head)
 
 
-def expected_shapes(model_config: ModelConfig) -> Dict[str, torch.Size]:
+def expected_shapes(model_config: ModelConfig) -> dict[str, torch.Size]:
     """name -> shape of every parameter of the single-device model (a tied lm_head is the embedding)."""
     with torch.device("meta"):
         model = HybridLM(model_config)
     return {name: param.shape for name, param in model.named_parameters()}
 
 
-def drop_tied_head(tensors: Dict[str, torch.Tensor], model_config: ModelConfig, source: str) -> Dict[str, torch.Tensor]:
+def drop_tied_head(tensors: dict[str, torch.Tensor], model_config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """Our names without a tied lm_head: some writers (a module's state_dict, save_pretrained of some
     models) store it beside the embedding it is; it must be that embedding."""
     if not model_config.tie_word_embeddings or LM_HEAD not in tensors:
@@ -35,7 +33,7 @@ def drop_tied_head(tensors: Dict[str, torch.Tensor], model_config: ModelConfig, 
     return tensors
 
 
-def check_tensors(tensors: Dict[str, torch.Tensor], model_config: ModelConfig, source: str) -> None:
+def check_tensors(tensors: dict[str, torch.Tensor], model_config: ModelConfig, source: str) -> None:
     """Every parameter present with its shape, nothing else; the message names what differs."""
     expected = expected_shapes(model_config)
     embeddings = tensors.get(EMBEDDINGS)
@@ -63,7 +61,7 @@ def listed(items, limit: int = 8) -> str:
     return f"[{shown}{f', ... ({len(items)} in all)' if len(items) > limit else ''}]"
 
 
-def cast(tensors: Dict[str, torch.Tensor], dtype_name: str) -> Dict[str, torch.Tensor]:
+def cast(tensors: dict[str, torch.Tensor], dtype_name: str) -> dict[str, torch.Tensor]:
     """Floating tensors to DTYPES[dtype_name]; 'keep' leaves every tensor as it is."""
     if dtype_name == KEEP:
         return dict(tensors)
@@ -71,12 +69,12 @@ def cast(tensors: Dict[str, torch.Tensor], dtype_name: str) -> Dict[str, torch.T
     return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
 
 
-def architecture(model: ModelConfig) -> Dict[str, object]:
+def architecture(model: ModelConfig) -> dict[str, object]:
     """The settings that decide the weights and what the model computes with them, resolved (a null
     that means 'derived' compares equal to the value it derives); the implementations, chunk size and
     init are free."""
     types = model.layer_types
-    arch: Dict[str, object] = {
+    arch: dict[str, object] = {
         "model.vocab_size": model.vocab_size, "model.hidden_size": model.hidden_size,
         "model.n_layers": model.n_layers, "layer types (model.layer_pattern)": types,
         "MLP width (model.intermediate_size / hidden_ratio)": model.mlp_dim,
@@ -96,13 +94,13 @@ def architecture(model: ModelConfig) -> Dict[str, object]:
     return arch
 
 
-def architecture_differences(first: ModelConfig, second: ModelConfig) -> Dict[str, tuple]:
+def architecture_differences(first: ModelConfig, second: ModelConfig) -> dict[str, tuple]:
     a, b = architecture(first), architecture(second)
     return {key: (a.get(key), b.get(key)) for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)}
 
 
 def require_same_architecture(source: ModelConfig, target: ModelConfig, source_name: str,
-                              target_name: str, fix: Optional[str] = None, where: str = "") -> None:
+                              target_name: str, fix: str | None = None, where: str = "") -> None:
     differing = architecture_differences(source, target)
     if differing:
         details = "; ".join(f"{key}: {source_name} {a!r}, {target_name} {b!r}"

@@ -11,9 +11,9 @@ the checkpoint is saved again from this layout (CheckpointSaver: <out>/checkpoin
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ def layout_config(saved_config: dict, layout: str) -> Config:
     return config
 
 
-def run_config(config: Config, saved_dp: int, overrides: List[str]) -> Tuple[Config, List[str]]:
+def run_config(config: Config, saved_dp: int, overrides: list[str]) -> tuple[Config, list[str]]:
     """The config `--out` writes: the run under the new layout, with the same global batch (train.batch_size
     is per data-parallel replica, so it is rescaled when dp changes) and `overrides` of non-model fields;
     refused, naming the fix, when it would not train as written. Returns it and what was changed."""
@@ -80,14 +80,14 @@ def run_config(config: Config, saved_dp: int, overrides: List[str]) -> Tuple[Con
     return config, notes
 
 
-def reshard(checkpoint, layout: str, out_dir: Optional[str] = None, report: str = "reshard_report.json",
+def reshard(checkpoint, layout: str, out_dir: str | None = None, report: str = "reshard_report.json",
             print_fn=print, overrides: Sequence[str] = ()) -> int:
     source = resolve_checkpoint(checkpoint)
     saved = read_trainer_state(source)
     config = layout_config(saved.get("config", {}), layout)
     if overrides and not out_dir:
         raise ConvertError("--set changes the config --out writes: give --out DIR too")
-    notes: List[str] = []
+    notes: list[str] = []
     if out_dir:
         config, notes = run_config(config, int(saved.get("layout", {}).get("dp", 1)), list(overrides))
     world = config.parallel.world_size
@@ -138,7 +138,7 @@ def _reshard(source: Path, saved: dict, config: Config, device, out_dir, report,
     mesh_coordinates = {name: dims.rank(name) for name in MESH_DIMS}
     mine = {"rank": rank, "mesh": mesh_coordinates, "tensors": len(held), "mismatches": mismatches,
             "names": [name for name, _ in named]}
-    everyone: List[dict] = [None] * world
+    everyone: list[dict] = [None] * world
     dist.all_gather_object(everyone, mine)
     loaded = {MODEL + name for result in everyone for name in result.pop("names")}
     nowhere = sorted(key for key in entries if key.startswith(MODEL) and key not in loaded)
@@ -165,7 +165,7 @@ def _layout_text(config: Config) -> str:
     return ",".join(f"{name}={getattr(config.parallel, name)}" for name in LAYOUT_DEGREES)
 
 
-def _held_tensors(named, optimizer) -> Dict[str, tuple]:
+def _held_tensors(named, optimizer) -> dict[str, tuple]:
     """checkpoint key -> (this rank's tensor, its parameter), for every parameter and optimizer slot."""
     held = {}
     for name, param in named:
@@ -188,7 +188,7 @@ def _expected_local(full: torch.Tensor, value: torch.Tensor, param, dims) -> tor
     return piece
 
 
-def _compare(key: str, value: torch.Tensor, param, full: torch.Tensor, dims) -> List[str]:
+def _compare(key: str, value: torch.Tensor, param, full: torch.Tensor, dims) -> list[str]:
     expected = _expected_local(full, value, param, dims)
     actual = value.to_local() if isinstance(value, DTensor) else value
     if actual.shape != expected.shape:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -55,7 +55,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def write_file(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
+def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     _, save_file, _ = _library()
     save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path),
               metadata={"format": "pt"})
@@ -93,13 +93,13 @@ def _opened(path: Path):
         raise _damaged(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
-def read_header(path: Path) -> List[str]:
+def read_header(path: Path) -> list[str]:
     """The tensor names of one file."""
     with _opened(path) as handle:
         return list(handle.keys())
 
 
-def read_file(path: Path, names: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+def read_file(path: Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     _, _, library_error = _library()
     with _opened(path) as handle:
         wanted = list(handle.keys()) if names is None else list(names)
@@ -109,9 +109,9 @@ def read_file(path: Path, names: Optional[Iterable[str]] = None) -> Dict[str, to
             raise ConvertError(f"{path}: a tensor cannot be read ({str(err).splitlines()[0]})") from None
 
 
-def plan_shards(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[List[str]]:
+def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     """Names in order, cut into shards of at most max_bytes (a larger tensor gets a shard of its own)."""
-    shards: List[List[str]] = [[]]
+    shards: list[list[str]] = [[]]
     size = 0
     for name, tensor in tensors.items():
         if shards[-1] and size + _nbytes(tensor) > max_bytes:
@@ -122,7 +122,7 @@ def plan_shards(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[List[s
     return shards
 
 
-def write_folder(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int) -> List[str]:
+def write_folder(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
     """Writes the weights into `folder`; returns the file names written."""
     shards = plan_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
@@ -141,7 +141,7 @@ def write_folder(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes
     return written + [INDEX_FILE]
 
 
-def folder_files(folder: Path) -> Dict[str, List[str]]:
+def folder_files(folder: Path) -> dict[str, list[str]]:
     """shard file -> the tensor names it holds, per the index (or the single file); every listed
     shard must exist."""
     folder = Path(folder)
@@ -151,7 +151,7 @@ def folder_files(folder: Path) -> Dict[str, List[str]]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as err:
             raise ConvertError(f"{index_path} is not a safetensors index (no weight_map: {err})") from None
-        files: Dict[str, List[str]] = {}
+        files: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             files.setdefault(shard, []).append(name)
         missing = sorted(shard for shard in files if not (folder / shard).is_file())
@@ -168,9 +168,9 @@ def folder_files(folder: Path) -> Dict[str, List[str]]:
     raise ConvertError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}: {hint}")
 
 
-def read_folder(folder: Path) -> Dict[str, torch.Tensor]:
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
     folder = Path(folder)
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for shard, names in folder_files(folder).items():
         absent = sorted(set(names) - set(read_header(folder / shard)))
         if absent:

@@ -27,7 +27,7 @@ epoch, tokens into it) by a division: the stream of data/stream.py resumes anywh
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -94,12 +94,12 @@ class BlendedDocuments:
         source = self.source_of(index)
         return self.sources[source].document(index - int(self.first_documents[source]))
 
-    def identity(self) -> List[List[int]]:
+    def identity(self) -> list[list[int]]:
         """What fixes the blend's stream besides the seed: each source's quota, documents, tokens."""
         return [[int(quota), len(documents), documents.num_tokens]
                 for quota, documents in zip(self.quotas, self.sources)]
 
-    def epochs(self, seed: int) -> "BlendedEpochs":
+    def epochs(self, seed: int) -> BlendedEpochs:
         return BlendedEpochs(self, seed)
 
 
@@ -111,7 +111,7 @@ class BlendedEpochs(EpochStream):
         self.tokens_per_epoch = blend.num_tokens
         self.source_streams = [ShuffledEpochs(documents.lengths, source_seed(int(seed), index))
                                for index, documents in enumerate(blend.sources)]
-        self._cache: Dict[int, EpochOrder] = {}
+        self._cache: dict[int, EpochOrder] = {}
 
     def epoch(self, epoch: int) -> EpochOrder:
         if epoch not in self._cache:

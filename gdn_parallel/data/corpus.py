@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,10 +34,10 @@ __all__ = ["BYTE_VOCAB_SIZE", "Corpus", "load_corpus", "list_source_files", "spl
 class Corpus:
     """Documents as 1-D uint8 tensors, split into train and validation, with their names."""
     source: str
-    train: List[torch.Tensor]
-    val: List[torch.Tensor]
-    train_names: List[str] = field(default_factory=list)
-    val_names: List[str] = field(default_factory=list)
+    train: list[torch.Tensor]
+    val: list[torch.Tensor]
+    train_names: list[str] = field(default_factory=list)
+    val_names: list[str] = field(default_factory=list)
     binary_skipped: int = 0      # files left out for NUL bytes or invalid UTF-8
 
     @property
@@ -58,7 +58,7 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_source_files(source: str, suffixes: Sequence[str] = ()) -> List[Tuple[str, Path]]:
+def list_source_files(source: str, suffixes: Sequence[str] = ()) -> list[tuple[str, Path]]:
     """(name, path) of every file of a byte source, sorted by name; name is the path relative to
     the root. `suffixes` filters directory sources (() keeps every file); [] when nothing exists."""
     if source == "stdlib":

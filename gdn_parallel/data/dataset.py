@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -39,14 +38,14 @@ MEGATRON_TOKENIZER = "tokenizer not recorded"   # a Megatron index does not say 
 class Dataset:
     source: str
     kind: str              # "bytes" (stdlib, text files), "prepared", "megatron" or "blend"
-    train: Union[Documents, BlendedDocuments]
-    val: Union[Documents, BlendedDocuments]
+    train: Documents | BlendedDocuments
+    val: Documents | BlendedDocuments
     max_token_id: int
     tokenizer: str         # what made the ids: "bytes" or the tokenizer file and its hash
     note: str = ""         # e.g. binary files skipped
-    parts: Tuple["Dataset", ...] = ()   # a blend's sources, in data.blend's order
+    parts: tuple[Dataset, ...] = ()   # a blend's sources, in data.blend's order
     # per val token, the UTF-8 bytes of the text it stands for (documents like `val`); None: unknown
-    val_token_bytes: Optional[Union[Documents, BlendedDocuments]] = None
+    val_token_bytes: Documents | BlendedDocuments | None = None
 
     def describe(self) -> str:
         note = f", {self.note}" if self.note else ""
@@ -124,13 +123,13 @@ def _indexed_documents(tokens, offsets, data_config, what: str, fix: str) -> Doc
     return documents
 
 
-def _split(documents: Documents, data_config) -> Tuple[Documents, Documents]:
+def _split(documents: Documents, data_config) -> tuple[Documents, Documents]:
     is_val = validation_mask(index_scores(len(documents)), float(data_config.val_fraction))
     return documents.subset(np.flatnonzero(~is_val)), documents.subset(np.flatnonzero(is_val))
 
 
 def _load_blend(data_config) -> Dataset:
-    parts: List[Dataset] = []
+    parts: list[Dataset] = []
     for index, (_, source) in enumerate(data_config.blend):
         try:
             parts.append(_load_source(dataclasses.replace(data_config, source=source, blend=[])))
@@ -159,7 +158,7 @@ def _load_blend(data_config) -> Dataset:
                    val_token_bytes=val_bytes)
 
 
-def _check_same_tokenizer(parts: List[Dataset]) -> None:
+def _check_same_tokenizer(parts: list[Dataset]) -> None:
     known = {index: part.tokenizer for index, part in enumerate(parts) if part.kind != "megatron"}
     if len(set(known.values())) > 1:
         listed = ", ".join(f"data.blend[{index}] by {name}" for index, name in known.items())
@@ -177,7 +176,7 @@ def index_scores(count: int) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) / float(2 ** 53)
 
 
-def data_max_token_id(data_config) -> Tuple[int, str]:
+def data_max_token_id(data_config) -> tuple[int, str]:
     """The largest token id the data can hold, and where that comes from (only a Megatron dataset's
     tokens are read: its index records no largest id)."""
     if data_config.blend:
@@ -192,7 +191,7 @@ def data_max_token_id(data_config) -> Tuple[int, str]:
     return _source_max_token_id(data_config.source)
 
 
-def _source_max_token_id(source: str) -> Tuple[int, str]:
+def _source_max_token_id(source: str) -> tuple[int, str]:
     if is_prepared_dir(source):
         metadata = read_metadata(source)
         return metadata["max_token_id"], (f"the largest token id of data.source={source!r} is "

@@ -6,13 +6,13 @@ nothing else is ever materialised, so a dataset larger than memory streams from 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import numpy as np
 import torch
 
-DocumentLike = Union[torch.Tensor, bytes, bytearray, Sequence[int]]
+DocumentLike = torch.Tensor | bytes | bytearray | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,12 @@ class Documents:
     def document(self, index: int) -> torch.Tensor:
         return self.piece(index, 0, int(self.lengths[index]))
 
-    def subset(self, indices: np.ndarray) -> "Documents":
+    def subset(self, indices: np.ndarray) -> Documents:
         indices = np.asarray(indices, dtype=np.int64)
         return Documents(self.tokens, self.starts[indices], self.lengths[indices])
 
     @classmethod
-    def from_offsets(cls, tokens: np.ndarray, offsets: np.ndarray) -> "Documents":
+    def from_offsets(cls, tokens: np.ndarray, offsets: np.ndarray) -> Documents:
         """Documents i = tokens[offsets[i]:offsets[i + 1]]; empty documents are left out."""
         offsets = np.asarray(offsets, dtype=np.int64)
         starts, lengths = offsets[:-1], np.diff(offsets)
@@ -49,7 +49,7 @@ class Documents:
         return cls(tokens, np.ascontiguousarray(starts[keep]), np.ascontiguousarray(lengths[keep]))
 
     @classmethod
-    def from_sequences(cls, documents: Sequence[DocumentLike]) -> "Documents":
+    def from_sequences(cls, documents: Sequence[DocumentLike]) -> Documents:
         """Copy documents (1-D tensors, bytes, or sequences of ids) into one array; empty ones are
         left out. Raises ValueError for a tensor that is not 1-D."""
         arrays = [_as_array(doc) for doc in documents]

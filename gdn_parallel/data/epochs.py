@@ -9,8 +9,8 @@ epochs from its sources' ShuffledEpochs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ import torch
 @dataclass(frozen=True)
 class EpochOrder:
     documents: np.ndarray          # int64: the document of each piece, in stream order
-    begins: Optional[np.ndarray]   # int64: where each piece starts in its document; None: all at 0
+    begins: np.ndarray | None   # int64: where each piece starts in its document; None: all at 0
     ends: np.ndarray               # int64: cumulative token end of each piece within the epoch
 
 
@@ -29,7 +29,7 @@ class Pieces:
     begins: np.ndarray             # int64: first token of the piece in its document
     ends: np.ndarray               # int64: one past its last token
 
-    def __iter__(self) -> Iterator[Tuple[int, int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
         return zip(self.documents.tolist(), self.begins.tolist(), self.ends.tolist())
 
 
@@ -76,7 +76,7 @@ class ShuffledEpochs(EpochStream):
         self.tokens_per_epoch = int(lengths.sum())
         self._generator = torch.Generator().manual_seed(self.seed)
         self._generated = 0        # permutations drawn from the generator so far
-        self._cache: Dict[int, EpochOrder] = {}
+        self._cache: dict[int, EpochOrder] = {}
 
     def epoch(self, epoch: int) -> EpochOrder:
         """Two epochs are kept: a read straddles at most one boundary, and a blend reads on in order."""

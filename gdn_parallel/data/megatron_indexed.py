@@ -28,7 +28,6 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -42,7 +41,7 @@ NOT_TOKEN_DTYPES = {6: "float64", 7: "float32"}
 SCAN_CHUNK = 1 << 24                 # tokens per step of the id scan: bounded memory on any corpus
 
 _WRITE_AGAIN = "write it again with Megatron-LM's tools/preprocess_data.py (or copy it whole again)"
-_id_ranges: Dict[Tuple[str, int, int], Tuple[int, int]] = {}   # the scans already done in this process
+_id_ranges: dict[tuple[str, int, int], tuple[int, int]] = {}   # the scans already done in this process
 
 
 @dataclass
@@ -61,7 +60,7 @@ class MegatronIndexed:
         return self.tokens.dtype.name
 
 
-def megatron_prefix(source: str) -> Optional[str]:
+def megatron_prefix(source: str) -> str | None:
     """The prefix when `source` names a Megatron indexed dataset (the prefix, its .bin or its .idx,
     either file present), else None."""
     if source == "stdlib":
@@ -142,7 +141,7 @@ def _read_index(source: str, idx_path: Path):
     return TOKEN_DTYPES[code], lengths, pointers, doc_index
 
 
-def _index_problem(lengths, pointers, doc_index, num_sequences: int, itemsize: int) -> Optional[str]:
+def _index_problem(lengths, pointers, doc_index, num_sequences: int, itemsize: int) -> str | None:
     if doc_index.shape[0] == 0 or doc_index[0] != 0 or doc_index[-1] != num_sequences:
         return f"its document index must run from 0 to the {num_sequences:,} sequences"
     falls = np.flatnonzero(np.diff(doc_index) < 0)

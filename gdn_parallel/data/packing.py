@@ -17,8 +17,8 @@ gdn_parallel.data.stream.TokenBatches.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ class PackedBatch:
     def max_seqlen(self) -> int:
         return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max().item())
 
-    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+    def to(self, device, non_blocking: bool = False) -> PackedBatch:
         return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in
                              (self.input_ids, self.labels, self.position_ids, self.cu_seqlens)))
 
@@ -61,7 +61,7 @@ def num_label_tokens(total_tokens: int, num_pieces: int) -> int:
     return int(total_tokens) - int(num_pieces)
 
 
-def pack_pieces(pieces: List[torch.Tensor]) -> PackedBatch:
+def pack_pieces(pieces: list[torch.Tensor]) -> PackedBatch:
     """Concatenate document pieces into one packed row with labels, positions and boundaries."""
     lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.long)
     if lengths.numel() == 0 or bool((lengths <= 0).any()):
@@ -81,7 +81,7 @@ def pack_pieces(pieces: List[torch.Tensor]) -> PackedBatch:
                        cu_seqlens)
 
 
-def document_stream(num_docs: int, seed: int, epochs: Optional[int] = None) -> Iterator[int]:
+def document_stream(num_docs: int, seed: int, epochs: int | None = None) -> Iterator[int]:
     """Document indices, a fresh seeded permutation per epoch; endless when epochs is None."""
     generator = torch.Generator().manual_seed(int(seed))
     for _ in (itertools.count() if epochs is None else range(epochs)):
@@ -89,7 +89,7 @@ def document_stream(num_docs: int, seed: int, epochs: Optional[int] = None) -> I
 
 
 def packed_batches(documents: Sequence[DocumentLike], seq_len: int, batch_size: int, seed: int = 0,
-                   *, epochs: Optional[int] = None, drop_last: bool = True) -> Iterator[PackedBatch]:
+                   *, epochs: int | None = None, drop_last: bool = True) -> Iterator[PackedBatch]:
     """Yield PackedBatch of `batch_size` rows x `seq_len` tokens from shuffled, streamed documents.
 
     epochs=None streams forever (a new shuffle each epoch). With a finite number of epochs the

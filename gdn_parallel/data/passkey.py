@@ -14,8 +14,8 @@ joined, so positions are exact for any tokenizer; the filler is cut at a token w
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class PasskeyTask:
                              needle_end=before + len(needle), key=key, depth=depth)
 
     def grid(self, lengths: Sequence[int], depths: Sequence[float], per_cell: int,
-             seed: int) -> List[PasskeySample]:
+             seed: int) -> list[PasskeySample]:
         """`per_cell` samples for every (length, depth), each cell from its own seed (a cell's samples
         do not change when the grid around it does)."""
         samples = []
@@ -85,7 +85,7 @@ class PasskeyTask:
         return samples
 
 
-def documents(count: int, min_length: int, max_length: int, seed: int) -> List[str]:
+def documents(count: int, min_length: int, max_length: int, seed: int) -> list[str]:
     """`count` samples as text (UTF-8 byte length = tokens of the byte vocabulary), lengths uniform
     in [min_length, max_length], depths uniform: a training set for the task itself."""
     task = PasskeyTask(ByteTokenizer())

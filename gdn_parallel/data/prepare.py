@@ -30,14 +30,22 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import List, Optional
 
 import numpy as np
 
 from ..config import DataConfig
 from .prepare_inputs import list_inputs, plan_items, read_texts, suffixes_with_records
-from .prepared import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, OFFSETS_FILE, PARTIAL_DIR,
-                                        TOKEN_BYTES_FILE, TOKENIZER_COPY, TOKENS_FILE, token_dtype)
+from .prepared import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    OFFSETS_FILE,
+    PARTIAL_DIR,
+    TOKEN_BYTES_FILE,
+    TOKENIZER_COPY,
+    TOKENS_FILE,
+    token_dtype,
+)
 from .text_tokenizer import SPECIAL_ROLES, load_tokenizer
 
 PLAN_FILE = "plan.json"
@@ -70,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -128,7 +136,7 @@ def check_output_dir(out: Path, force: bool) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def load_or_write_plan(partial: Path, plan: dict, files: List[Path], shard_bytes: int) -> List[List[dict]]:
+def load_or_write_plan(partial: Path, plan: dict, files: list[Path], shard_bytes: int) -> list[list[dict]]:
     """The shards of an unfinished run with the same fingerprint (resume), else a new plan."""
     plan_path = partial / PLAN_FILE
     if plan_path.is_file():
@@ -146,9 +154,9 @@ def load_or_write_plan(partial: Path, plan: dict, files: List[Path], shard_bytes
     return shards
 
 
-def group_into_shards(items: List[dict], shard_bytes: int) -> List[List[dict]]:
+def group_into_shards(items: list[dict], shard_bytes: int) -> list[list[dict]]:
     """Consecutive work items, up to `shard_bytes` of input per shard (an item larger goes alone)."""
-    shards: List[List[dict]] = []
+    shards: list[list[dict]] = []
     size = 0
     for item in items:
         if not shards or size + item["bytes"] > shard_bytes:
@@ -196,7 +204,7 @@ def run_shards(partial: Path, plan: dict, args) -> None:
 _TOKENIZER = None
 
 
-def init_worker(spec: str, special: Optional[dict] = None) -> None:
+def init_worker(spec: str, special: dict | None = None) -> None:
     global _TOKENIZER
     _TOKENIZER = load_tokenizer(spec, special)
 
@@ -208,7 +216,7 @@ def prepare_shard(task) -> dict:
     paths = shard_paths(Path(partial), index)
     dtype = np.dtype(dtype_name).newbyteorder("<")
     counts: Counter = Counter()
-    lengths: List[int] = []
+    lengths: list[int] = []
     max_id, num_tokens, text_bytes, max_token_bytes = -1, 0, 0, 1
     tmp = {name: path.with_name(path.name + ".tmp") for name, path in paths.items()}
     by_byte = _TOKENIZER.one_byte_per_token
@@ -252,7 +260,7 @@ def batched(texts, size: int = ENCODE_BATCH):
         yield batch
 
 
-def assemble(out: Path, partial: Path, plan: dict, tokenizer, text_key: str, files: List[Path]) -> dict:
+def assemble(out: Path, partial: Path, plan: dict, tokenizer, text_key: str, files: list[Path]) -> dict:
     """Join the shards into tokens.bin, offsets.npy (and token_bytes.bin, the tokenizer's copy), then
     write the metadata (the commit)."""
     tokenizer_identity = tokenizer.identity()
@@ -298,7 +306,7 @@ def assemble(out: Path, partial: Path, plan: dict, tokenizer, text_key: str, fil
     return metadata
 
 
-def join_token_bytes(out: Path, partial: Path, summaries: List[dict]) -> str:
+def join_token_bytes(out: Path, partial: Path, summaries: list[dict]) -> str:
     """The shards' per-token byte counts (uint32) into token_bytes.bin.tmp in the narrowest dtype
     that holds the largest; returns that dtype."""
     largest = max(s["max_token_bytes"] for s in summaries)

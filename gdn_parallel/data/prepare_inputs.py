@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
 
 from .text_files import is_text, list_text_files, read_file
 
@@ -32,11 +32,11 @@ def input_format(path: str) -> str:
     return "text"
 
 
-def list_inputs(inputs: Sequence[str], suffixes: Sequence[str]) -> List[Path]:
+def list_inputs(inputs: Sequence[str], suffixes: Sequence[str]) -> list[Path]:
     """The files of every input (a file, a directory filtered by `suffixes`, or a glob), in the
     order given, each input's files sorted, duplicates dropped. ValueError for an input that names
     nothing."""
-    files: List[Path] = []
+    files: list[Path] = []
     for item in inputs:
         listing = list_text_files(item, suffixes)
         if listing is None:
@@ -48,7 +48,7 @@ def list_inputs(inputs: Sequence[str], suffixes: Sequence[str]) -> List[Path]:
     return list(dict.fromkeys(files))
 
 
-def plan_items(path: Path, chunk_bytes: int) -> List[dict]:
+def plan_items(path: Path, chunk_bytes: int) -> list[dict]:
     """The work items of one file; `chunk_bytes` bounds a JSON-lines range."""
     size = path.stat().st_size
     kind = input_format(str(path))
@@ -109,7 +109,7 @@ def _json_record(line: bytes, path: str, where: int):
         raise ValueError(f"{path} at byte {where}: not a JSON line ({err})") from None
 
 
-def _record_text(record, text_key: str, where: str, counts: Counter) -> Optional[str]:
+def _record_text(record, text_key: str, where: str, counts: Counter) -> str | None:
     """The record's text; None for an empty one (counted: an empty document has no tokens)."""
     if not isinstance(record, dict) or text_key not in record:
         keys = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__

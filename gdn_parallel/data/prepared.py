@@ -29,7 +29,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -71,7 +70,7 @@ class PreparedDataset:
     metadata: dict
     tokens: np.ndarray       # memory map of tokens.bin, 1-D
     offsets: np.ndarray      # int64 [num_documents + 1] (memory map)
-    token_bytes: Optional[np.ndarray] = None   # UTF-8 bytes per token, aligned with tokens; None: unknown
+    token_bytes: np.ndarray | None = None   # UTF-8 bytes per token, aligned with tokens; None: unknown
 
     @property
     def num_documents(self) -> int:
@@ -120,7 +119,7 @@ def read_metadata(source: str) -> dict:
     return metadata
 
 
-def _metadata_problem(metadata) -> Optional[str]:
+def _metadata_problem(metadata) -> str | None:
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
         return f"is not a {FORMAT_NAME} metadata file"
     version = metadata.get("format_version")
@@ -161,7 +160,7 @@ def open_prepared(source: str) -> PreparedDataset:
                            token_bytes=_open_token_bytes(source, path, metadata))
 
 
-def _open_token_bytes(source: str, path: Path, metadata: dict) -> Optional[np.ndarray]:
+def _open_token_bytes(source: str, path: Path, metadata: dict) -> np.ndarray | None:
     """The UTF-8 bytes each token stands for (text_bytes in the metadata), or None when the dataset
     does not record them."""
     record, num_tokens = metadata.get("text_bytes"), metadata["num_tokens"]

@@ -40,7 +40,7 @@ replica's stream ends one micro-batch before the others').
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Union
+from collections.abc import Iterator
 
 import torch
 
@@ -58,9 +58,9 @@ PACKING_MODES = DataConfig.PACKING_MODES
 class TokenBatches:
     """Iterator of PackedBatch micro-batches of `rows` x `seq_len` tokens for one dp replica."""
 
-    def __init__(self, documents: Union[Documents, BlendedDocuments], seq_len: int, rows: int, *,
+    def __init__(self, documents: Documents | BlendedDocuments, seq_len: int, rows: int, *,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, packing: str = "documents",
-                 epochs: Optional[int] = None, drop_last: bool = True):
+                 epochs: int | None = None, drop_last: bool = True):
         if seq_len <= 0 or rows <= 0:
             raise ValueError(f"seq_len={seq_len} and rows={rows} must be positive")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -83,8 +83,8 @@ class TokenBatches:
 
     @classmethod
     def from_config(cls, data_config, seq_len: int, rows: int, *, dp_rank: int = 0, dp_size: int = 1,
-                    seed: Optional[int] = None, split: str = "train", dataset=None,
-                    epochs: Optional[int] = None, drop_last: bool = True) -> "TokenBatches":
+                    seed: int | None = None, split: str = "train", dataset=None,
+                    epochs: int | None = None, drop_last: bool = True) -> TokenBatches:
         """The stream of `data.source`'s (or `data.blend`'s) split ('train' or 'val'), seeded by
         data.seed unless `seed` is given, packed as data.packing says. `dataset`: an already loaded
         gdn_parallel.data.load_dataset(data_config), so that train and val read the source once."""
@@ -124,7 +124,7 @@ class TokenBatches:
         return self._pack(start, stop)
 
     def _pack(self, start: int, stop: int) -> PackedBatch:
-        pieces: List[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
         for row_start in range(start, stop, self.seq_len):
             row = [self.documents.piece(doc, begin, end)
                    for doc, begin, end in self._order.span(row_start, min(row_start + self.seq_len, stop))]

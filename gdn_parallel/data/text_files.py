@@ -18,9 +18,9 @@ from __future__ import annotations
 import glob
 import os
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
 GLOB_CHARACTERS = set("*?[")
@@ -30,7 +30,7 @@ GLOB_CHARACTERS = set("*?[")
 class Listing:
     """The files of a source as (name, path), sorted by name (name: the path relative to the root),
     with what was left out by suffix (suffix -> count) for error messages."""
-    files: List[Tuple[str, Path]]
+    files: list[tuple[str, Path]]
     suffix_skipped: Counter = field(default_factory=Counter)
 
 
@@ -58,7 +58,7 @@ def has_suffix(name: str, suffixes: Sequence[str]) -> bool:
     return not suffixes or name.lower().endswith(tuple(suffixes))
 
 
-def list_text_files(source: str, suffixes: Sequence[str]) -> Optional[Listing]:
+def list_text_files(source: str, suffixes: Sequence[str]) -> Listing | None:
     """The files of a directory, a single file or a glob pattern; None when `source` names nothing
     that exists (a glob that matches no file gives an empty listing)."""
     path = Path(os.path.expanduser(source))
@@ -87,7 +87,7 @@ def is_text(data: bytes) -> bool:
     return True
 
 
-def read_file(path: Path) -> Optional[bytes]:
+def read_file(path: Path) -> bytes | None:
     """The file's bytes; None when it cannot be read (permissions, a broken link, vanished)."""
     try:
         with open(path, "rb") as fh:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,7 +28,7 @@ class ByteTokenizer:
     def identity(self) -> dict:
         return {"kind": BYTES, "vocab_size": self.vocab_size}
 
-    def encode_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
 
@@ -37,7 +37,7 @@ class FileTokenizer:
     `special`: role -> token text given on the command line (--bos-token ...), over what the files say."""
     one_byte_per_token = False
 
-    def __init__(self, path: str, special: Optional[Dict[str, Optional[str]]] = None):
+    def __init__(self, path: str, special: dict[str, str | None] | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -59,19 +59,19 @@ class FileTokenizer:
         return {"kind": "tokenizers", "file": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size,
                 "special_tokens": self.special_tokens}
 
-    def encode_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(encoding.ids, dtype=np.int64) for encoding in self._tokenizer.encode_batch(list(texts))]
 
-    def encode_counting_bytes(self, texts: Sequence[str]) -> List[Tuple[np.ndarray, np.ndarray]]:
+    def encode_counting_bytes(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids, UTF-8 bytes each token stands for) per text (text_bytes_per_token)."""
         return [(np.asarray(encoding.ids, dtype=np.int64), text_bytes_per_token(text, encoding.offsets))
                 for text, encoding in zip(texts, self._tokenizer.encode_batch(list(texts)))]
 
-    def _special_tokens(self, file: Path, given: Dict[str, Optional[str]]) -> Dict[str, Optional[dict]]:
+    def _special_tokens(self, file: Path, given: dict[str, str | None]) -> dict[str, dict | None]:
         """role -> {"content", "id", "from"} or None, each from the first that names it: the command
         line, transformers' tokenizer_config.json beside the file, the post-processor's template
         (the token before the text is bos, the one after it eos)."""
-        found: Dict[str, Tuple[str, str]] = {}
+        found: dict[str, tuple[str, str]] = {}
         for role, content in _template_specials(json.loads(file.read_text(encoding="utf-8"))).items():
             found[role] = (content, "the tokenizer's post-processor template")
         beside = file.with_name(HF_TOKENIZER_CONFIG)
@@ -80,7 +80,7 @@ class FileTokenizer:
         for role, content in given.items():
             if content is not None:
                 found[role] = (content, f"--{role.replace('_', '-')}")
-        tokens: Dict[str, Optional[dict]] = {role: None for role in SPECIAL_ROLES}
+        tokens: dict[str, dict | None] = {role: None for role in SPECIAL_ROLES}
         for role, (content, origin) in found.items():
             token_id = self._tokenizer.token_to_id(content)
             if token_id is None:
@@ -90,7 +90,7 @@ class FileTokenizer:
         return tokens
 
 
-def _template_specials(tokenizer_json: dict) -> Dict[str, str]:
+def _template_specials(tokenizer_json: dict) -> dict[str, str]:
     """bos/eos of a TemplateProcessing post-processor (also inside a Sequence of processors)."""
     processor = tokenizer_json.get("post_processor") or {}
     processors = processor.get("processors", []) if processor.get("type") == "Sequence" else [processor]
@@ -104,7 +104,7 @@ def _template_specials(tokenizer_json: dict) -> Dict[str, str]:
         first, last = kinds.index("Sequence"), len(kinds) - 1 - kinds[::-1].index("Sequence")
         named = candidate.get("special_tokens") or {}
 
-        def content(piece: dict) -> str:   # a template names a special token; its map gives the token
+        def content(piece: dict, named: dict = named) -> str:   # a template names a special token; its map gives the token
             name = piece["SpecialToken"]["id"]
             tokens = (named.get(name) or {}).get("tokens") or [name]
             return tokens[0] if len(tokens) == 1 else name
@@ -117,7 +117,7 @@ def _template_specials(tokenizer_json: dict) -> Dict[str, str]:
     return {}
 
 
-def _hf_config_specials(path: Path) -> Dict[str, str]:
+def _hf_config_specials(path: Path) -> dict[str, str]:
     """bos/eos/pad named by a transformers tokenizer_config.json (a string, or {"content": ...})."""
     if not path.is_file():
         return {}
@@ -134,7 +134,7 @@ def _hf_config_specials(path: Path) -> Dict[str, str]:
     return found
 
 
-def text_bytes_per_token(text: str, offsets: Sequence[Tuple[int, int]]) -> np.ndarray:
+def text_bytes_per_token(text: str, offsets: Sequence[tuple[int, int]]) -> np.ndarray:
     """The UTF-8 bytes of `text` each token stands for, from the tokens' character offsets: every byte
     counted once, by the first token whose end reaches past it; text after the last end goes to the
     token that reached it (or the first). Tokens that reach no new text get 0: special tokens a
@@ -155,7 +155,7 @@ def text_bytes_per_token(text: str, offsets: Sequence[Tuple[int, int]]) -> np.nd
     return counts
 
 
-def load_tokenizer(spec: str, special: Optional[Dict[str, Optional[str]]] = None):
+def load_tokenizer(spec: str, special: dict[str, str | None] | None = None):
     """'bytes' or the path of a tokenizers JSON file (`special`: FileTokenizer's)."""
     if spec == BYTES:
         if special and any(special.values()):

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Dict
 
 import numpy as np
 
@@ -36,7 +35,7 @@ def _info(identity: dict) -> bytes:
     return (json.dumps(identity, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
-def tokenizer_files(dataset) -> Dict[str, bytes]:
+def tokenizer_files(dataset) -> dict[str, bytes]:
     """File name -> bytes of what a checkpoint trained on `dataset` carries of its tokenizer ({} when
     the data does not record one)."""
     if dataset.kind == "bytes":
@@ -49,7 +48,7 @@ def tokenizer_files(dataset) -> Dict[str, bytes]:
     return {}
 
 
-def prepared_tokenizer_files(source: str) -> Dict[str, bytes]:
+def prepared_tokenizer_files(source: str) -> dict[str, bytes]:
     """The tokenizer files of a prepared dataset: its copy of tokenizer.json (checked against the
     sha256 it was prepared with), or, in a dataset prepared before copies were kept, the original
     file if it is still where it was and unchanged."""

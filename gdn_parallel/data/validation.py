@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import List
 
 import torch
 
@@ -25,7 +24,7 @@ from .stream import TokenBatches
 
 @dataclass(frozen=True)
 class ValidationSet:
-    steps: List[List[PackedBatch]]   # this replica's micro-batches, per evaluation step
+    steps: list[list[PackedBatch]]   # this replica's micro-batches, per evaluation step
     rows: int                        # rows of the set (whole or, the last, cut by the end of the split)
     tokens: int                      # tokens of the set
     split_tokens: int                # tokens in the validation split
@@ -44,7 +43,7 @@ def validation_set(documents: Documents, seq_len: int, rows: int, *, rows_per_mi
     stream = TokenBatches(documents, seq_len, rows_per_micro_batch, dp_rank=dp_rank, dp_size=dp_size,
                           seed=seed, packing=packing)   # endless: the filler comes from what follows
     global_step_tokens = dp_size * micro_batches * stream.tokens_per_batch
-    steps: List[List[PackedBatch]] = []
+    steps: list[list[PackedBatch]] = []
     for _ in range(math.ceil(limit / global_step_tokens)):
         step = []
         for _ in range(micro_batches):

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..config import Config, ConfigError, IGNORE_INDEX
+from ..config import IGNORE_INDEX, Config, ConfigError
 from ..convert import ConvertError, model_from_checkpoint
 from ..data import TokenBatches
 from ..data.passkey import PasskeySample, PasskeyTask, documents
@@ -58,7 +58,7 @@ def make_data(out: Path, docs: int, min_length: int, max_length: int, seed: int)
 
 
 # ---------------------------------------------------------------------------- scoring
-def tokenizer_for(saved_config: dict, override: Optional[str]):
+def tokenizer_for(saved_config: dict, override: str | None):
     """The run's tokenizer: --tokenizer, else a prepared data.source's (from its metadata), else bytes."""
     if override:
         return load_tokenizer(override)
@@ -77,7 +77,7 @@ def tokenizer_for(saved_config: dict, override: Optional[str]):
 
 
 @torch.no_grad()
-def answer_hits(model, samples: Sequence[PasskeySample], device, autocast: Optional[torch.dtype]) -> np.ndarray:
+def answer_hits(model, samples: Sequence[PasskeySample], device, autocast: torch.dtype | None) -> np.ndarray:
     """[len(samples), answer length] booleans: the model's top token is the true one at each answer
     position (the true digits before it given). Samples of one call have one length."""
     ids = torch.as_tensor(np.stack([s.ids for s in samples]), device=device)
@@ -93,7 +93,7 @@ def needle_rank(sample: PasskeySample, cp: int) -> int:
 
 
 def score_grid(model, task: PasskeyTask, lengths, depths, per_cell: int, seed: int, cp: int, batch: int,
-               device, autocast) -> List[dict]:
+               device, autocast) -> list[dict]:
     cells = []
     for length in lengths:
         for depth in depths:
@@ -110,7 +110,7 @@ def score_grid(model, task: PasskeyTask, lengths, depths, per_cell: int, seed: i
     return cells
 
 
-def by_rank_summary(cells: List[dict], cp: int) -> Dict[str, dict]:
+def by_rank_summary(cells: list[dict], cp: int) -> dict[str, dict]:
     """Accuracy of needles on the question's rank (the last) against needles on other ranks."""
     groups = {"same rank as the question": [], "another rank": []}
     for cell in cells:
@@ -121,7 +121,7 @@ def by_rank_summary(cells: List[dict], cp: int) -> Dict[str, dict]:
 
 
 @torch.no_grad()
-def loss_by_position(model, data_config, seq_len: int, rows: int, device, autocast) -> Dict[str, dict]:
+def loss_by_position(model, data_config, seq_len: int, rows: int, device, autocast) -> dict[str, dict]:
     """{bucket: {"loss", "tokens"}}: the held-out loss per position bucket (position inside the
     document) over the first `rows` packed rows of the validation split (fewer if it has fewer)."""
     stream = TokenBatches.from_config(data_config, seq_len, 1, split="val", epochs=1, drop_last=False)
@@ -144,7 +144,7 @@ def loss_by_position(model, data_config, seq_len: int, rows: int, device, autoca
 
 
 # ---------------------------------------------------------------------------- report
-def table(cells: List[dict], lengths, depths) -> str:
+def table(cells: list[dict], lengths, depths) -> str:
     acc = {(c["length"], c["depth"]): c["accuracy"] for c in cells}
     head = "depth \\ length | " + " | ".join(str(n) for n in lengths)
     lines = [head, "-" * len(head)]
@@ -153,7 +153,7 @@ def table(cells: List[dict], lengths, depths) -> str:
     return "\n".join(lines)
 
 
-def plot(cells: List[dict], lengths, depths, title: str, out: Path) -> Path:
+def plot(cells: list[dict], lengths, depths, title: str, out: Path) -> Path:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -229,7 +229,7 @@ def evaluate_checkpoint(args) -> dict:
     return result
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,8 +1,6 @@
 """Softmax attention token mixer: RoPE, grouped KV heads, sliding window or full causal."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -13,7 +11,7 @@ from .sequence import SequenceInfo
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, window: Optional[int]):
+    def __init__(self, config: ModelConfig, window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.attn_num_heads, config.num_kv_heads
         self.head_dim, self.window = config.attn_dim, window

@@ -13,7 +13,7 @@ that one draws every part from the global generator in turn.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from .hybrid_lm import Block, DroppedPart, HybridLM, init_linear_weights
 from .norm import RMSNorm
 
 
-def part_names(config: ModelConfig) -> List[str]:
+def part_names(config: ModelConfig) -> list[str]:
     return ["embeddings", *(f"layers.{i}" for i in range(config.n_layers)), "norm", "lm_head"]
 
 
@@ -47,7 +47,7 @@ def _make_part(name: str, config: ModelConfig) -> nn.Module:
 
 
 def build_model(config: ModelConfig, device, seed: int,
-                keep: Optional[Callable[[str], bool]] = None) -> HybridLM:
+                keep: Callable[[str], bool] | None = None) -> HybridLM:
     """A HybridLM on `device` with the parts for which keep(name) is true (all by default); see the
     module docstring. Tied embeddings: lm_head is the embedding's weight, built wherever either is kept."""
     keep = keep or (lambda name: True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -98,9 +97,9 @@ class Block(nn.Module):
 
 @dataclass
 class LMOutput:
-    loss: Optional[torch.Tensor] = None      # mean over label tokens (sum / num_tokens)
-    loss_sum: Optional[torch.Tensor] = None  # summed cross-entropy (global means under parallelism)
-    logits: Optional[torch.Tensor] = None    # only when no labels are given
+    loss: torch.Tensor | None = None      # mean over label tokens (sum / num_tokens)
+    loss_sum: torch.Tensor | None = None  # summed cross-entropy (global means under parallelism)
+    logits: torch.Tensor | None = None    # only when no labels are given
     num_tokens: int = 0                      # tokens with a label
 
 
@@ -129,9 +128,9 @@ class HybridLM(nn.Module):
             position_ids = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[1]).unsqueeze(0)
         return SequenceInfo(cu_seqlens=cu_seqlens, position_ids=position_ids)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                cu_seqlens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                seq: Optional[SequenceInfo] = None) -> LMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                seq: SequenceInfo | None = None) -> LMOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:

@@ -5,8 +5,6 @@ applies lm_head itself; otherwise as criterion(logits, labels).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +40,7 @@ class LinearCrossEntropy(nn.Module):
 
     fuses_lm_head = True
 
-    def __init__(self, chunk_tokens: Optional[int] = None):
+    def __init__(self, chunk_tokens: int | None = None):
         super().__init__()
         self.chunk_tokens = chunk_tokens  # None: the kernel picks one from the vocabulary size
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -16,6 +16,6 @@ class SequenceInfo:
     cp: the context-parallel plan of this row when it is one shard of a longer sequence (set by
         gdn_parallel.parallel; None on one device). Ops read it; layers only pass it on.
     """
-    cu_seqlens: Optional[torch.Tensor] = None
-    position_ids: Optional[torch.Tensor] = None
+    cu_seqlens: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
     cp: Any = None

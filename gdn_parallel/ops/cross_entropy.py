@@ -6,8 +6,6 @@ parallelism `weight` is this rank's rows from `vocab_start` on and `group` the t
 (see the kernel's docstring)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +16,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, vocab_start: int = 0,
-                         group=None, chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                         group=None, chunk_tokens: int | None = None) -> torch.Tensor:
     return kernel_module("linear_cross_entropy").linear_cross_entropy(
         hidden, weight, labels, ignore_index=IGNORE_INDEX, vocab_start=vocab_start, group=group,
         chunk_tokens=chunk_tokens)

@@ -5,7 +5,6 @@ at 0 in every document so a document sees the same rotary phases wherever it was
 """
 from __future__ import annotations
 
-
 import torch
 
 from .validation import check_cu_seqlens

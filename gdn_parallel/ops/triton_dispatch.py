@@ -7,7 +7,6 @@ import importlib
 import os
 import warnings
 from types import ModuleType
-from typing import Optional
 
 import torch
 
@@ -20,8 +19,8 @@ class TritonUnavailable(ImportError, RuntimeError):
     """impl='triton' was asked for but triton or gdn_kernels does not import."""
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_module(name: str) -> Optional[ModuleType]:
+@functools.cache
+def kernel_module(name: str) -> ModuleType | None:
     """gdn_kernels.<name>, or None when it (or triton) cannot be imported. Cached: "auto" asks per call.
 
     Without triton on a CPU machine that is expected and silent. Anything else (a GPU present, or a

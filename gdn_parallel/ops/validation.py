@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
+
 
 def values_checked(x: torch.Tensor) -> bool:
     """Whether to run checks that read tensor values on the host.
@@ -15,8 +15,8 @@ def values_checked(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" or os.environ.get("GDN_PARALLEL_CHECK_VALUES") == "1"
 
 
-def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], batch: int, total: int,
-                     name: str = "cu_seqlens") -> Optional[torch.Tensor]:
+def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, total: int,
+                     name: str = "cu_seqlens") -> torch.Tensor | None:
     """Validate document boundaries of a packed row: int, 1-D, starts at 0, increasing, ends at T.
 
     Returns the boundaries as an int64 tensor (or None when not given).

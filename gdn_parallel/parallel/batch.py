@@ -8,7 +8,6 @@ dp x cp reduction by the data-parallel wrapper).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ class CPShard:
         return SequenceInfo(cu_seqlens=None, position_ids=self.position_ids, cp=self.context)
 
 
-def shard_batch(batch, cp_rank: int, cp_size: int, group: Optional[dist.ProcessGroup] = None,
+def shard_batch(batch, cp_rank: int, cp_size: int, group: dist.ProcessGroup | None = None,
                 algorithm: str = "relay") -> CPShard:
     """Split a packed batch (input_ids/labels/position_ids [1, total], cu_seqlens) contiguously and
     return rank `cp_rank`'s shard with its CP plan. The labels were made on the whole row, so the
@@ -62,12 +61,12 @@ def cp_loss(model, shard: CPShard) -> torch.Tensor:
     return out.loss_sum / max(shard.num_label_tokens, 1)
 
 
-def all_reduce_gradients(model: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+def all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum parameter gradients over the CP group (one flat all-reduce per dtype)."""
     all_reduce_flat([p.grad for p in model.parameters() if p.grad is not None], group)
 
 
-def all_reduce_flat(tensors: list, group: Optional[dist.ProcessGroup]) -> None:
+def all_reduce_flat(tensors: list, group: dist.ProcessGroup | None) -> None:
     """Sum tensors in place over `group` with one all-reduce per dtype (flattened together)."""
     by_dtype: dict = {}
     for t in tensors:

@@ -25,7 +25,7 @@ label count over the dp replicas.
 from __future__ import annotations
 
 import inspect
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -73,8 +73,8 @@ def _restore_param_attributes(module: nn.Module, attributes: dict) -> None:
 
 
 # ---------------------------------------------------------------- wrapping
-def apply_data_parallel(module: nn.Module, dims: ParallelDims, config: Optional[ParallelConfig] = None,
-                        param_dtype: Optional[torch.dtype] = None,
+def apply_data_parallel(module: nn.Module, dims: ParallelDims, config: ParallelConfig | None = None,
+                        param_dtype: torch.dtype | None = None,
                         reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply `config.data_parallel` ('fsdp' | 'ddp') over dp (x cp) and return the module to train.
 
@@ -168,7 +168,7 @@ def _group(dims: ParallelDims, name: str):
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+def clip_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                    dims: ParallelDims) -> torch.Tensor:
     """Global L2 gradient norm over pp x dp x cp x tp; grads are scaled by max_norm / (norm + 1e-6)
     clamped to 1, as torch.nn.utils.clip_grad_norm_ does (no host sync). Returns the norm (a tensor).
@@ -235,7 +235,7 @@ def clip_grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_
     return total_norm
 
 
-def global_label_count(local_count: Union[int, torch.Tensor], dims: ParallelDims) -> int:
+def global_label_count(local_count: int | torch.Tensor, dims: ParallelDims) -> int:
     """Sum a row's label count over the dp replicas. The cp shards of one row already know the
     row's count (`shard_batch` counts the whole row), so this reduces over dp only."""
     if dims.config.dp == 1:

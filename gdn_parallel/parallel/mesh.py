@@ -4,7 +4,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -18,8 +17,8 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 class ParallelDims:
     config: ParallelConfig
     mesh: DeviceMesh
-    group_options: Optional[tuple] = None      # (backend, options) of every group cut from the mesh
-    _dp_cp: Optional[DeviceMesh] = field(default=None, repr=False)
+    group_options: tuple | None = None      # (backend, options) of every group cut from the mesh
+    _dp_cp: DeviceMesh | None = field(default=None, repr=False)
 
     def group(self, dim: str):
         return self.mesh.get_group(dim)
@@ -41,7 +40,7 @@ def _accepts(function, name: str) -> bool:
     return name in inspect.signature(function).parameters
 
 
-def group_options(device_type: str, timeout: Optional[timedelta]) -> Optional[tuple]:
+def group_options(device_type: str, timeout: timedelta | None) -> tuple | None:
     """(backend, options) giving a group `timeout`: groups cut from a mesh do not inherit the default
     group's (they waited torch's 30 minutes for a dead peer). None where torch offers no options."""
     if timeout is None:
@@ -58,7 +57,7 @@ def group_options(device_type: str, timeout: Optional[timedelta]) -> Optional[tu
     return backend, options
 
 
-def build_mesh(config: ParallelConfig, device_type: str, timeout: Optional[timedelta] = None) -> ParallelDims:
+def build_mesh(config: ParallelConfig, device_type: str, timeout: timedelta | None = None) -> ParallelDims:
     """Validate the layout against the world and build the mesh (needs an initialised process group);
     its groups wait `timeout` for a peer (torch's default when None)."""
     config.validate(world_size=dist.get_world_size())

@@ -12,8 +12,8 @@ gradient of the single-device mean loss.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,21 +36,21 @@ class ParallelModel:
     train_module: nn.Module         # what runs the forward when pp == 1 (the DDP wrapper, or model)
     dims: ParallelDims
     config: ParallelConfig
-    runner: Optional[object] = None  # PipelineRunner when pp > 1
+    runner: object | None = None  # PipelineRunner when pp > 1
 
     # ------------------------------------------------------------------ what the trainer drives
-    def parameters(self) -> List[nn.Parameter]:
+    def parameters(self) -> list[nn.Parameter]:
         """The parameters this rank trains (its pipeline stages' when pp > 1)."""
         if self.runner is not None:
             return list(self.runner.parameters())
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def named_parameters(self) -> List[tuple]:
+    def named_parameters(self) -> list[tuple]:
         if self.runner is not None:
             return list(self.runner.named_parameters())
         return list(self.model.named_parameters())
 
-    def train_step(self, rows: Sequence, autocast_dtype: Optional[torch.dtype] = None,
+    def train_step(self, rows: Sequence, autocast_dtype: torch.dtype | None = None,
                    scaler=None) -> torch.Tensor:
         """Forward + backward of this dp replica's microbatch rows (PackedBatch, on the device).
 
@@ -73,7 +73,7 @@ class ParallelModel:
         return self._global_loss(loss)
 
     @torch.no_grad()
-    def evaluate(self, rows: Sequence, autocast_dtype: Optional[torch.dtype] = None) -> Tuple[float, int]:
+    def evaluate(self, rows: Sequence, autocast_dtype: torch.dtype | None = None) -> tuple[float, int]:
         """(summed token loss, label count) of this dp replica's rows, summed over every replica: the
         same on every rank. Forward only, under every layout."""
         local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
@@ -155,16 +155,16 @@ class ParallelModel:
         if unwrapped and self.config.dp * self.config.cp > 1:
             all_reduce_gradients(self.model, self.dims.dp_cp_mesh.get_group())
 
-    def _global_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
+    def _global_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         loss = loss.detach().clone()
         if self.config.dp * self.config.cp > 1:
             dist.all_reduce(loss, group=self.dims.dp_cp_mesh.get_group())
         return loss
 
 
-def parallelize(model: HybridLM, dims: ParallelDims, config: Optional[ParallelConfig] = None,
-                device=None, param_dtype: Optional[torch.dtype] = None,
-                seq_len: Optional[int] = None, activation_checkpointing: str = "none") -> ParallelModel:
+def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | None = None,
+                device=None, param_dtype: torch.dtype | None = None,
+                seq_len: int | None = None, activation_checkpointing: str = "none") -> ParallelModel:
     """Apply tp, pp, dp (and cp, through the batches) to `model`, initialised identically on every
     rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision;
     `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py)."""
@@ -187,7 +187,7 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: Optional[ParallelCo
     return ParallelModel(model, train_module, dims, config, runner)
 
 
-def _autocast(dtype: Optional[torch.dtype], device: torch.device):
+def _autocast(dtype: torch.dtype | None, device: torch.device):
     """Autocast without its weight-cast cache: the cache outlives a microbatch, and under FSDP2 a
     cached cast would tie the next microbatch's backward to parameters already resharded, which
     silently loses gradient."""

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def stage_costs(model_config: ModelConfig, seq_len: int = DEFAULT_BALANCE_SEQ_LE
 
 
 def stage_layer_ranges(model_config: ModelConfig, num_stages: int,
-                       seq_len: int = DEFAULT_BALANCE_SEQ_LEN) -> List[tuple]:
+                       seq_len: int = DEFAULT_BALANCE_SEQ_LEN) -> list[tuple]:
     """Contiguous [start, end) layer ranges, one per stage, every stage at least one layer, chosen
     to minimise the cost of the most expensive stage (ties: the most even split)."""
     n = model_config.n_layers
@@ -119,7 +120,7 @@ def stage_layer_ranges(model_config: ModelConfig, num_stages: int,
     return ranges[::-1]
 
 
-def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> List[int]:
+def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
     """The stages pp rank `pp_rank` holds: r, r + pp, r + 2 pp, ... (one per virtual stage)."""
     return [pp_rank + v * pp_size for v in range(virtual_stages)]
 
@@ -199,11 +200,11 @@ class StageModule(nn.Module):
         dtype = next(self.layers.parameters()).dtype
         self.hidden_dtype = dtype
         self.loss_dtype = torch.promote_types(dtype, torch.float32)
-        self._microbatches: Optional[Sequence[Microbatch]] = None
-        self._current: Optional[int] = None
+        self._microbatches: Sequence[Microbatch] | None = None
+        self._current: int | None = None
 
     # -- the side channel ------------------------------------------------------------------
-    def set_microbatches(self, microbatches: Optional[Sequence[Microbatch]]) -> None:
+    def set_microbatches(self, microbatches: Sequence[Microbatch] | None) -> None:
         self._microbatches = microbatches
 
     @contextmanager
@@ -223,8 +224,8 @@ class StageModule(nn.Module):
         return self._microbatches[self._current]
 
     # -- compute -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq: SequenceInfo | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         if seq is None or (self.is_last and labels is None):
             mb = self._microbatch()
             seq = seq if seq is not None else mb.seq
@@ -282,9 +283,9 @@ class PipelineRunner:
     """
 
     def __init__(self, model: HybridLM, parallel_config: ParallelConfig, device, pp_group=None,
-                 pp_rank: Optional[int] = None, pp_size: Optional[int] = None,
+                 pp_rank: int | None = None, pp_size: int | None = None,
                  seq_len: int = DEFAULT_BALANCE_SEQ_LEN,
-                 layer_ranges: Optional[Sequence[tuple]] = None):
+                 layer_ranges: Sequence[tuple] | None = None):
         self.model = model
         self.config = parallel_config
         self.device = torch.device(device)
@@ -322,7 +323,7 @@ class PipelineRunner:
         self._schedule_key = None
 
     # -- parameters ----------------------------------------------------------------------------
-    def parameters(self) -> List[nn.Parameter]:
+    def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages, each once (for the optimizer)."""
         seen, out = set(), []
         for module in self.stage_modules:
@@ -332,7 +333,7 @@ class PipelineRunner:
                     out.append(p)
         return out
 
-    def named_parameters(self) -> List[tuple]:
+    def named_parameters(self) -> list[tuple]:
         """(name in the full model, parameter) for this rank's parameters."""
         local = {id(p) for p in self.parameters()}
         return [(n, p) for n, p in self.model.named_parameters() if id(p) in local]
@@ -377,7 +378,7 @@ class PipelineRunner:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, microbatches: Sequence[Any], label_normalizer: float,
-             broadcast_loss: bool = True) -> Optional[torch.Tensor]:
+             broadcast_loss: bool = True) -> torch.Tensor | None:
         mbs = [as_microbatch(m, self.model) for m in microbatches]
         if not mbs:
             raise ValueError("step() needs at least one microbatch")
@@ -401,7 +402,7 @@ class PipelineRunner:
             dist.broadcast(loss, src=self._global_rank(self.num_stages - 1), group=self.pp_group)
         return loss
 
-    def _run_schedule(self, mbs: List[Microbatch], shape: tuple) -> list:
+    def _run_schedule(self, mbs: list[Microbatch], shape: tuple) -> list:
         """The torch pipeline schedule over the micro-batches; the last stage's losses."""
         schedule = self._ensure_schedule(len(mbs), shape)
         for module in self.stage_modules:
@@ -465,7 +466,7 @@ class PipelineRunner:
         rank = stage_id % self.pp_size
         return rank if self.pp_group is None else dist.get_global_rank(self.pp_group, rank)
 
-    def _step_single(self, mbs: List[Microbatch]) -> torch.Tensor:
+    def _step_single(self, mbs: list[Microbatch]) -> torch.Tensor:
         """pp = 1: the same math, microbatch after microbatch (gradient accumulation)."""
         (module,) = self.stage_modules
         total = None
@@ -502,9 +503,9 @@ def _accepts(fn, name: str) -> bool:
 
 
 def build_pipeline(model: HybridLM, parallel_config: ParallelConfig, device, pp_group=None,
-                   pp_rank: Optional[int] = None, pp_size: Optional[int] = None,
+                   pp_rank: int | None = None, pp_size: int | None = None,
                    seq_len: int = DEFAULT_BALANCE_SEQ_LEN,
-                   layer_ranges: Optional[Sequence[tuple]] = None) -> PipelineRunner:
+                   layer_ranges: Sequence[tuple] | None = None) -> PipelineRunner:
     """Split `model` into `pp * virtual_stages` stages and return this pp rank's runner.
 
     pp_group: the pipeline process group (default: the world); pp_rank / pp_size default to this

@@ -42,8 +42,15 @@ from torch import nn
 from ..model import Attention, GatedDeltaNet, HybridLM, SwiGLU, blocks_of
 from ..ops.cross_entropy import linear_cross_entropy
 from .batch import all_reduce_flat
-from .tensor_collectives import (all_gather_dim, copy_to_tp, gather_sequence, reduce_from_tp,
-                                 reduce_scatter_sequence, split_sequence, vocab_parallel_cross_entropy)
+from .tensor_collectives import (
+    all_gather_dim,
+    copy_to_tp,
+    gather_sequence,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    split_sequence,
+    vocab_parallel_cross_entropy,
+)
 
 __all__ = ["apply_tensor_parallel", "reduce_tp_partial_grads", "full_tensor", "sequence_shard",
            "TensorParallelPlan", "VocabParallelEmbedding", "VocabParallelCrossEntropy",

@@ -50,9 +50,9 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,8 +85,8 @@ class LaunchEnv:
                 f"{self.local_world_size}), master {self.master_addr}:{self.master_port}")
 
 
-def detect_launch_env(environ: Optional[Mapping[str, str]] = None,
-                      argv: Optional[Sequence[str]] = None) -> Optional[LaunchEnv]:
+def detect_launch_env(environ: Mapping[str, str] | None = None,
+                      argv: Sequence[str] | None = None) -> LaunchEnv | None:
     """The launch this process is part of (precedence: the module docstring), or None for one process.
     environ defaults to os.environ, argv to sys.argv[1:]. Raises LaunchEnvError naming the variable."""
     environ = os.environ if environ is None else environ
@@ -98,7 +98,7 @@ def detect_launch_env(environ: Optional[Mapping[str, str]] = None,
     return None
 
 
-def strip_launcher_args(argv: Sequence[str]) -> List[str]:
+def strip_launcher_args(argv: Sequence[str]) -> list[str]:
     """argv without the launcher's `--local_rank=N`, `--local_rank N` (or `--local-rank`): DeepSpeed
     passes it, the trainer's parser does not know it, and LOCAL_RANK carries the same number."""
     kept, skip_value = [], False
@@ -153,8 +153,8 @@ def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_t
     return device
 
 
-def cpu_threads_per_process(env: LaunchEnv, environ: Optional[Mapping[str, str]] = None,
-                            cores: Optional[int] = None) -> Optional[int]:
+def cpu_threads_per_process(env: LaunchEnv, environ: Mapping[str, str] | None = None,
+                            cores: int | None = None) -> int | None:
     """torch's CPU threads for one of env's processes: the cores this process may run on (`cores`,
     default its CPU affinity) over the processes of its node, at least 1; None to leave torch's
     default: OMP_NUM_THREADS is set (torchrun's or the user's choice), a Slurm task (bound to its own
@@ -188,7 +188,7 @@ def restart_advice() -> str:
 AGENT_STORE_PREFIX = "gdn_parallel/restart_{}/"
 
 
-def _store_of_this_attempt(env: LaunchEnv, timeout: timedelta) -> Optional[dist.Store]:
+def _store_of_this_attempt(env: LaunchEnv, timeout: timedelta) -> dist.Store | None:
     """torchrun's store seen through a prefix of its own per restart (TORCHELASTIC_RESTART_COUNT: one
     count per agent, the same for the ranks it restarts together), or None outside torchrun (env://)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -198,18 +198,18 @@ def _store_of_this_attempt(env: LaunchEnv, timeout: timedelta) -> Optional[dist.
     return dist.PrefixStore(AGENT_STORE_PREFIX.format(restart), agent_store)
 
 
-def expand_hostlist(hostlist: str) -> List[str]:
+def expand_hostlist(hostlist: str) -> list[str]:
     """Slurm's compressed host list, e.g. "node[01-03,07],gpu5" -> node01 node02 node03 node07 gpu5
     (zero padding kept; several brackets in one name multiply: "r[1-2]n[1-2]" -> r1n1 r1n2 r2n1 r2n2)."""
-    hosts: List[str] = []
+    hosts: list[str] = []
     for name in _split_outside_brackets(hostlist.strip()):
         hosts.extend(_expand_name(name, hostlist))
     return hosts
 
 
-def parse_tasks_per_node(spec: str) -> List[int]:
+def parse_tasks_per_node(spec: str) -> list[int]:
     """Slurm's tasks per node, e.g. "4(x2),3" -> [4, 4, 3]."""
-    counts: List[int] = []
+    counts: list[int] = []
     for item in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if match is None:
@@ -220,7 +220,7 @@ def parse_tasks_per_node(spec: str) -> List[int]:
 
 # --- one parser per launcher: None when its variables are absent ---------------------------------------
 
-def _torch_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+def _torch_launch(environ: Mapping[str, str], argv: Sequence[str]) -> LaunchEnv | None:
     if "RANK" not in environ and "WORLD_SIZE" not in environ:
         return None
     argv_local_rank = _local_rank_from_argv(argv)
@@ -247,7 +247,7 @@ def _torch_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[L
                     (rank_name, world_name, local_name, local_world_name, port_name))
 
 
-def _open_mpi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+def _open_mpi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> LaunchEnv | None:
     if "OMPI_COMM_WORLD_RANK" not in environ:
         return None
     read = _Reader(environ, "openmpi")
@@ -255,7 +255,7 @@ def _open_mpi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optiona
                     read.int("OMPI_COMM_WORLD_LOCAL_RANK"), read.int("OMPI_COMM_WORLD_LOCAL_SIZE"))
 
 
-def _pmi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+def _pmi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> LaunchEnv | None:
     if "PMI_RANK" not in environ:
         return None
     read = _Reader(environ, "pmi")
@@ -266,7 +266,7 @@ def _pmi_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[Lau
     return _mpi_env(read, read.int("PMI_RANK"), read.int("PMI_SIZE"), local_rank, local_world)
 
 
-def _slurm_launch(environ: Mapping[str, str], argv: Sequence[str]) -> Optional[LaunchEnv]:
+def _slurm_launch(environ: Mapping[str, str], argv: Sequence[str]) -> LaunchEnv | None:
     if "SLURM_PROCID" not in environ or not _slurm_step(environ):
         return None
     read = _Reader(environ, "slurm")
@@ -293,7 +293,7 @@ def _slurm_step(environ: Mapping[str, str]) -> bool:
     return "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
 
 
-def _slurm_tasks_on_this_node(read: "_Reader") -> Tuple[int, str]:
+def _slurm_tasks_on_this_node(read: _Reader) -> tuple[int, str]:
     spec_name = read.first_set("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     if spec_name is None:
         return read.int("SLURM_NTASKS_PER_NODE")
@@ -305,8 +305,8 @@ def _slurm_tasks_on_this_node(read: "_Reader") -> Tuple[int, str]:
     return counts[node], spec_name
 
 
-def _mpi_env(read: "_Reader", rank: Tuple[int, str], world: Tuple[int, str], local_rank: Tuple[int, str],
-             local_world: Tuple[int, str]) -> LaunchEnv:
+def _mpi_env(read: _Reader, rank: tuple[int, str], world: tuple[int, str], local_rank: tuple[int, str],
+             local_world: tuple[int, str]) -> LaunchEnv:
     names = (rank[1], world[1], local_rank[1], local_world[1], "MASTER_PORT")
     master_port, _ = read.int("MASTER_PORT", default=DEFAULT_MASTER_PORT)
     # Check the numbers first: a broken launch must not reach the mpi4py collective below.
@@ -326,8 +326,8 @@ def _mpi_env(read: "_Reader", rank: Tuple[int, str], world: Tuple[int, str], loc
                     names)
 
 
-@functools.lru_cache(maxsize=None)
-def _rank0_hostname_from_mpi() -> Optional[str]:
+@functools.cache
+def _rank0_hostname_from_mpi() -> str | None:
     """Rank 0's hostname on every rank, through MPI; None when mpi4py is not installed. A collective, run
     once: every rank reaches the first call, later calls (a second detect_launch_env) reuse its answer."""
     try:
@@ -338,7 +338,7 @@ def _rank0_hostname_from_mpi() -> Optional[str]:
 
 
 def _checked(launcher: str, rank: int, world: int, local_rank: int, local_world: int, master_addr: str,
-             master_port: int, names: Tuple[str, str, str, str, str]) -> LaunchEnv:
+             master_port: int, names: tuple[str, str, str, str, str]) -> LaunchEnv:
     rank_name, world_name, local_name, local_world_name, port_name = names
     where = f"{launcher} launch"
     if world < 1:
@@ -362,7 +362,7 @@ class _Reader:
     def __init__(self, environ: Mapping[str, str], launcher: str):
         self.environ, self.launcher = environ, launcher
 
-    def first_set(self, *names: str) -> Optional[str]:
+    def first_set(self, *names: str) -> str | None:
         return next((name for name in names if self.environ.get(name, "").strip()), None)
 
     def text(self, *names: str) -> str:
@@ -372,7 +372,7 @@ class _Reader:
                                  f"{_HOW_TO_SET.get(names[0], 'set it for every process')}")
         return self.environ[name].strip()
 
-    def int(self, *names: str, default: Optional[int] = None) -> Tuple[int, str]:
+    def int(self, *names: str, default: int | None = None) -> tuple[int, str]:
         """(value, the variable it came from); default when none is set, else an error if no default."""
         if default is not None and self.first_set(*names) is None:
             return default, names[0]
@@ -383,7 +383,7 @@ class _Reader:
         return int(raw), name
 
 
-_HOW_TO_SET: Dict[str, str] = {
+_HOW_TO_SET: dict[str, str] = {
     "MASTER_ADDR": "set it to the host of rank 0 on every process",
     "LOCAL_RANK": "set it to the process's index on its node (the launcher normally does)",
     "WORLD_SIZE": "set it to the number of processes (RANK alone does not make a launch)",
@@ -395,7 +395,7 @@ _HOW_TO_SET: Dict[str, str] = {
 }
 
 
-def _local_rank_from_argv(argv: Sequence[str]) -> Optional[int]:
+def _local_rank_from_argv(argv: Sequence[str]) -> int | None:
     for i, arg in enumerate(argv):
         flag, _, value = arg.partition("=")
         if flag not in LOCAL_RANK_FLAGS:
@@ -423,7 +423,7 @@ def _cuda_device(env: LaunchEnv) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _split_outside_brackets(text: str) -> List[str]:
+def _split_outside_brackets(text: str) -> list[str]:
     parts, depth, start = [], 0, 0
     for i, char in enumerate(text):
         depth += {"[": 1, "]": -1}.get(char, 0)
@@ -438,7 +438,7 @@ def _split_outside_brackets(text: str) -> List[str]:
     return [part.strip() for part in parts if part.strip()]
 
 
-def _expand_name(name: str, hostlist: str) -> List[str]:
+def _expand_name(name: str, hostlist: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", name)
     if match is None:
         return [name]
@@ -447,8 +447,8 @@ def _expand_name(name: str, hostlist: str) -> List[str]:
             for rest in _expand_name(tail, hostlist)]
 
 
-def _expand_ranges(ranges: str, hostlist: str) -> List[str]:
-    numbers: List[str] = []
+def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
+    numbers: list[str] = []
     for item in ranges.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", item)
         if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):

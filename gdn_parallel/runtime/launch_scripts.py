@@ -14,7 +14,6 @@ import shutil
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import List, Optional
 
 PROG = "gdn-launch-scripts"
 MARKER = "torchrun.sh"        # a directory holding it is the launch scripts' directory
@@ -33,7 +32,7 @@ def scripts_dir() -> Path:
                             f"reinstall gdn-parallel (pip install .)")
 
 
-def copy_scripts(destination: Path, force: bool = False) -> List[Path]:
+def copy_scripts(destination: Path, force: bool = False) -> list[Path]:
     """Copy every script into destination (created if missing), executable; an existing file there is
     replaced only with force."""
     names = sorted(path.name for path in scripts_dir().iterdir() if path.is_file())
@@ -51,7 +50,7 @@ def copy_scripts(destination: Path, force: bool = False) -> List[Path]:
     return copied
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--copy-to", type=Path, metavar="DIR", help="copy the scripts into DIR")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ def is_launched() -> bool:
 
 
 @contextlib.contextmanager
-def process_group(train_config) -> Iterator[Tuple[torch.device, bool]]:
+def process_group(train_config) -> Iterator[tuple[torch.device, bool]]:
     """(device, launched): the group this process trains in is open inside the block. Its collectives,
     joining it included, wait train.collective_timeout_s for a peer before failing; a communication
     failure inside the block is raised with a note saying what happened and what to do."""

@@ -38,7 +38,6 @@ import errno
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import List, Optional
 
 from ..config import Config, ConfigError, parse_override
 
@@ -116,7 +115,7 @@ REFUSED, DIVERGED, WRITE_FAILED, PEER_LOST = 2, 3, 4, 5
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
 
 
-def run(argv: Optional[List[str]] = None) -> dict:
+def run(argv: list[str] | None = None) -> dict:
     """Parse the command line, train (one process or any launcher), and return run_training's summary.
     An expected failure ends the process with one line on stderr and its exit status (module docstring)."""
     from ..checkpoint import CheckpointError, CheckpointWriteError
@@ -164,7 +163,7 @@ def _fail(parser: argparse.ArgumentParser, status: int, message: str, every_rank
     raise SystemExit(status)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Console entry point: 0 on success; an expected failure exits with its status (module docstring)."""
     run(argv)
     return 0

@@ -14,7 +14,6 @@ import inspect
 import io
 import textwrap
 import tokenize
-from typing import Dict, List, Tuple
 
 import yaml
 
@@ -58,15 +57,15 @@ def _type_name(annotation) -> str:
     return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
 
 
-def _source_help(cls) -> Tuple[str, Dict[str, List[str]], Dict[str, str]]:
+def _source_help(cls) -> tuple[str, dict[str, list[str]], dict[str, str]]:
     """(cls's docstring, {field: comment lines directly above it}, {field: its end-of-line comment})
     from cls's source (a dataclass without a docstring gets a generated one, which is no help)."""
     source = textwrap.dedent(inspect.getsource(cls))
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = {token.start[0]: token.string for token in tokens if token.type == tokenize.COMMENT}
     lines = source.splitlines()
-    above: Dict[str, List[str]] = {}
-    beside: Dict[str, str] = {}
+    above: dict[str, list[str]] = {}
+    beside: dict[str, str] = {}
     class_node = ast.parse(source).body[0]
     for node in class_node.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -83,7 +82,7 @@ def _source_help(cls) -> Tuple[str, Dict[str, List[str]], Dict[str, str]]:
     return ast.get_docstring(class_node) or "", above, beside
 
 
-def _choices(cls) -> Dict[str, tuple]:
+def _choices(cls) -> dict[str, tuple]:
     """{field: allowed values} of the `_check_choice(self, section, "field", ALLOWED, ...)` calls in
     cls.validate; ALLOWED a name in gdn_parallel.config, an attribute of cls or a literal tuple."""
     validate = getattr(cls, "validate", None)

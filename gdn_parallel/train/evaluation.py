@@ -15,8 +15,8 @@ tokenizer appends) adds its loss and no bytes. Data that does not record its byt
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ from ..data.dataset import data_field
 from ..data.validation import validation_set
 
 
-def position_buckets(seq_len: int, first: int = 64, factor: int = 4) -> List[Tuple[int, int]]:
+def position_buckets(seq_len: int, first: int = 64, factor: int = 4) -> list[tuple[int, int]]:
     """[start, end) position ranges covering [0, seq_len)."""
     edges = [0]
     edge = first
@@ -45,7 +45,7 @@ def _labels_in(row, start: int, end: int):
     return replace(row, labels=labels)
 
 
-def validation_text_bytes(dataset, config, say=None) -> Optional[int]:
+def validation_text_bytes(dataset, config, say=None) -> int | None:
     """The UTF-8 bytes of text that the labelled tokens' targets of the validation set stand for (the
     set of data/validation.py: its first train.eval_rows rows), or None when the data does not record
     them (then `say` is told once that val_bpb is not reported).
@@ -67,7 +67,7 @@ def validation_text_bytes(dataset, config, say=None) -> Optional[int]:
 
 
 def evaluate(parallel, rows_per_step: Sequence[Sequence], seq_len: int,
-             autocast_dtype: Optional[torch.dtype], text_bytes: Optional[int] = None) -> Dict[str, object]:
+             autocast_dtype: torch.dtype | None, text_bytes: int | None = None) -> dict[str, object]:
     """{"val_loss": mean over all labelled tokens, "val_bits_per_token", "val_bpb" (bits per byte of
     the `text_bytes` the labelled targets stand for; None when unknown), "val_loss_by_position":
     {"start-end": loss}} over the given micro-batch lists (each a list of this replica's rows for one

@@ -22,8 +22,9 @@ import importlib.util
 import json
 import os
 import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
+from typing import Protocol
 
 from ..config import ConfigError, LogConfig
 
@@ -62,7 +63,7 @@ def grouped_tag(field: str) -> str:
     return UNGROUPED + field
 
 
-def grouped(record: dict) -> Iterator[Tuple[str, object]]:
+def grouped(record: dict) -> Iterator[tuple[str, object]]:
     """(tag, value) for every field but `step`, tags grouped (GROUPED_TAGS); nested mappings give
     `outer/inner` tags."""
     for key, value in record.items():
@@ -70,7 +71,7 @@ def grouped(record: dict) -> Iterator[Tuple[str, object]]:
             yield from _nested(grouped_tag(key), value)
 
 
-def _nested(tag: str, value) -> Iterator[Tuple[str, object]]:
+def _nested(tag: str, value) -> Iterator[tuple[str, object]]:
     if isinstance(value, dict):
         for key, inner in value.items():
             yield from _nested(f"{tag}/{key}", inner)
@@ -78,10 +79,10 @@ def _nested(tag: str, value) -> Iterator[Tuple[str, object]]:
         yield tag, value
 
 
-def read_metrics(path) -> List[dict]:
+def read_metrics(path) -> list[dict]:
     """The live records of a metrics.jsonl: a resume marker at step N drops the earlier records at
     steps >= N; a torn last line (a killed process) is skipped."""
-    records: List[dict] = []
+    records: list[dict] = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             try:
@@ -123,7 +124,7 @@ def _ends_with_newline(path: Path) -> bool:
 class TensorBoardSink:
     """Numbers as scalars, strings (a checkpoint path, a skip reason) as text, at the record's step."""
 
-    def __init__(self, log_dir: Path, purge_step: Optional[int] = None):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         _require("tensorboard", "log.tensorboard=true", "tensorboard", "log.tensorboard=false")
         from torch.utils.tensorboard import SummaryWriter
         # purge_step: a resumed run discards the events the interrupted one wrote past its checkpoint
@@ -148,7 +149,7 @@ WANDB_VARIABLES = {"WANDB_MODE": "mode", "WANDB_PROJECT": "project", "WANDB_NAME
 
 
 def wandb_init_arguments(log: LogConfig, out_dir: Path,
-                         environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+                         environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the config gives wandb.init: project, mode, name (out_dir's) and dir (out_dir), each only
     where its W&B variable is unset or empty (the config has no entity: W&B's own default holds)."""
     environ = os.environ if environ is None else environ
@@ -162,7 +163,7 @@ class WandbSink:
     """A W&B run (in <out_dir>/wandb unless WANDB_DIR says otherwise); charts use the record's `step`
     as their x axis."""
 
-    def __init__(self, log: LogConfig, out_dir: Path, run_config: Optional[dict] = None,
+    def __init__(self, log: LogConfig, out_dir: Path, run_config: dict | None = None,
                  resume: bool = False):
         _require("wandb", f"log.wandb_project={log.wandb_project!r}", "wandb", "log.wandb_project=''")
         import wandb
@@ -177,7 +178,7 @@ class WandbSink:
         self._run.define_metric("*", step_metric="step")
 
     def write(self, record: dict) -> None:
-        values: Dict[str, object] = {tag: value for tag, value in grouped(record) if value is not None}
+        values: dict[str, object] = {tag: value for tag, value in grouped(record) if value is not None}
         if "summary" in record:
             self._run.summary.update(values)
         else:
@@ -193,11 +194,11 @@ def _require(module: str, asked_by: str, package: str, off: str) -> None:
                           f"pip install {package}, or set {off}")
 
 
-def sinks_from_config(log: Optional[LogConfig], out_dir: Path, run_config: Optional[dict] = None,
-                      append: bool = False, first_step: int = 0) -> List[MetricsSink]:
+def sinks_from_config(log: LogConfig | None, out_dir: Path, run_config: dict | None = None,
+                      append: bool = False, first_step: int = 0) -> list[MetricsSink]:
     """metrics.jsonl, then the backends `log` asks for, all under out_dir; `append`: a resumed run
     whose first step is first_step."""
-    sinks: List[MetricsSink] = [JsonlSink(out_dir / METRICS_FILE, append=append)]
+    sinks: list[MetricsSink] = [JsonlSink(out_dir / METRICS_FILE, append=append)]
     try:
         if log is not None and log.tensorboard:
             purge_step = first_step if append else None

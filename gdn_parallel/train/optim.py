@@ -1,12 +1,12 @@
 """AdamW with weight decay on matrices only, and the autocast dtype of a run."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 import torch
 
 
-def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> List[dict]:
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: 1-D parameters and those marked `_no_weight_decay` get none.
     `params`: a module's parameters, or the parameters a rank trains (e.g. a pipeline rank's)."""
     if isinstance(params, torch.nn.Module):
@@ -30,7 +30,7 @@ def build_optimizer(params, train_config, device: torch.device) -> torch.optim.A
                              betas=(train_config.beta1, train_config.beta2), fused=device.type == "cuda")
 
 
-def autocast_dtype(dtype_name: str, device: torch.device) -> Optional[torch.dtype]:
+def autocast_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
     """bf16/fp16 autocast on CUDA; float32, and any CPU run, train without autocast."""
     if device.type != "cuda" or dtype_name == "float32":
         return None

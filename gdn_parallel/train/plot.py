@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 from .metrics_sinks import METRICS_FILE, read_metrics  # read_metrics: resume markers, torn lines
 
 PROG = "gdn-plot"
-Series = List[Tuple[int, float]]
+Series = list[tuple[int, float]]
 
 
 def metrics_path(run: str) -> Path:
@@ -28,18 +27,18 @@ def metrics_path(run: str) -> Path:
     return path
 
 
-def run_labels(paths: List[Path]) -> List[str]:
+def run_labels(paths: list[Path]) -> list[str]:
     """Each run's directory name; the whole directory path where two names would be the same."""
     names = [p.resolve().parent.name for p in paths]
     return [name if names.count(name) == 1 else str(p.parent) for name, p in zip(names, paths)]
 
 
-def series(records: List[dict], field: str, scale: float = 1.0) -> Series:
+def series(records: list[dict], field: str, scale: float = 1.0) -> Series:
     return [(r["step"], r[field] * scale) for r in records
             if isinstance(r.get(field), (int, float)) and "step" in r]
 
 
-def last_by_position(records: List[dict]) -> Optional[Tuple[int, Dict[str, float]]]:
+def last_by_position(records: list[dict]) -> tuple[int, dict[str, float]] | None:
     """(step, {bucket: loss}) of the last evaluation by position, if any."""
     for record in reversed(records):
         if record.get("val_loss_by_position"):
@@ -54,7 +53,7 @@ def bucket_start(bucket: str) -> float:
         return float("inf")
 
 
-def plot_runs(paths: List[Path], out: Path) -> Path:
+def plot_runs(paths: list[Path], out: Path) -> Path:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -103,7 +102,7 @@ def _line(ax, points: Series, color: str, label: str, style: str = "-") -> None:
         ax.plot(*zip(*points), style, color=color, label=label, lw=1.0, ms=4)
 
 
-def _plot_by_position(ax, by_position, labels: List[str]) -> None:
+def _plot_by_position(ax, by_position, labels: list[str]) -> None:
     buckets = sorted({b for _, (_, losses) in by_position for b in losses}, key=bucket_start)
     for label, (step, losses) in by_position:
         color = f"C{labels.index(label) % 10}"

@@ -22,8 +22,9 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import TextIO
 
 import torch
 
@@ -37,7 +38,7 @@ PEAK_TFLOPS = (
 )
 
 
-def peak_flops_per_s(train_config, device: torch.device) -> Optional[float]:
+def peak_flops_per_s(train_config, device: torch.device) -> float | None:
     """Peak FLOP/s of one device: train.peak_tflops if set, else a known CUDA device, else None."""
     if train_config.peak_tflops > 0:
         return train_config.peak_tflops * 1e12
@@ -86,7 +87,7 @@ class ProgressBar:
     WIDTH = 24  # characters of the bar itself
 
     def __init__(self, stream: TextIO, min_interval_s: float = 0.1):
-        self.stream: Optional[TextIO] = stream
+        self.stream: TextIO | None = stream
         self.min_interval_s = min_interval_s
         self._drawn = 0            # characters on the line now
         self._last_draw = -math.inf
@@ -145,27 +146,27 @@ class ProgressLogger:
     """
 
     def __init__(self, total_steps: int, log_every: int, tokens_per_step: int, device: torch.device,
-                 flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
-                 out_dir: str = "", print_fn=None, *, log: Optional[LogConfig] = None,
-                 run_config: Optional[dict] = None, append: bool = False, first_step: int = 0,
-                 sinks: Sequence[MetricsSink] = (), bar_stream: Optional[TextIO] = None):
+                 flops_per_token: float | None = None, peak_flops: float | None = None,
+                 out_dir: str = "", print_fn=None, *, log: LogConfig | None = None,
+                 run_config: dict | None = None, append: bool = False, first_step: int = 0,
+                 sinks: Sequence[MetricsSink] = (), bar_stream: TextIO | None = None):
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.tokens_per_step, self.device = tokens_per_step, device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.first_step = first_step
         self.print = print_fn or (lambda line: print(line, flush=True))
         self.out_dir = Path(out_dir) if out_dir else None
-        self.losses: List[float] = []                      # every step's training loss, this process
-        self.loss_points: List[Tuple[int, float]] = []     # (step, loss) of the same steps
-        self.val_points: List[Tuple[int, float]] = []      # (step, val_loss)
-        self.records: List[dict] = []                      # what each printed line reported
-        self.last_step: Optional[int] = None
-        self._pending: List[torch.Tensor] = []             # losses not yet read from the device
-        self._pending_steps: List[int] = []
-        self._earlier: List[dict] = []                     # records before a resume, for loss.png
+        self.losses: list[float] = []                      # every step's training loss, this process
+        self.loss_points: list[tuple[int, float]] = []     # (step, loss) of the same steps
+        self.val_points: list[tuple[int, float]] = []      # (step, val_loss)
+        self.records: list[dict] = []                      # what each printed line reported
+        self.last_step: int | None = None
+        self._pending: list[torch.Tensor] = []             # losses not yet read from the device
+        self._pending_steps: list[int] = []
+        self._earlier: list[dict] = []                     # records before a resume, for loss.png
 
-        self.sinks: List[MetricsSink] = []
-        self._ground_truth: Optional[MetricsSink] = None
+        self.sinks: list[MetricsSink] = []
+        self._ground_truth: MetricsSink | None = None
         if self.out_dir is not None:
             metrics_path = self.out_dir / METRICS_FILE
             if append and metrics_path.is_file():
@@ -177,7 +178,7 @@ class ProgressLogger:
         mode = log.progress_bar if log is not None else "off"
         stream = bar_stream if bar_stream is not None else sys.stdout
         wanted = mode == "on" or (mode == "auto" and is_terminal(stream))
-        self.bar: Optional[ProgressBar] = ProgressBar(stream) if wanted else None
+        self.bar: ProgressBar | None = ProgressBar(stream) if wanted else None
         if append:
             self.record({"step": first_step, "resumed": True})
         # the clock starts last: opening the backends (wandb.init takes seconds) is not training time
@@ -209,7 +210,7 @@ class ProgressLogger:
         if self.bar is not None:
             self.bar.redraw()
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> Optional[dict]:
+    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> dict | None:
         """Record one finished step; print and return a record when a line is due."""
         self._pending.append(loss.detach().float().reshape(()))
         self._pending_steps.append(step)
@@ -266,7 +267,7 @@ class ProgressLogger:
                    f"eta {format_duration(remaining / steps_per_s)}")
         self.bar.show(ProgressBar.render(step + 1, self.total_steps, details), force=force)
 
-    def _mfu(self, tokens_per_s: float) -> Optional[float]:
+    def _mfu(self, tokens_per_s: float) -> float | None:
         if not self.flops_per_token or not self.peak_flops:
             return None
         return self.flops_per_token * tokens_per_s / self.peak_flops
@@ -280,8 +281,8 @@ class ProgressLogger:
                 f"grad_norm {r['grad_norm']:.2f} | tok/s {r['tokens_per_s']:,.0f} | mfu {mfu} | "
                 f"mem {r['mem_mib']:,.0f} MiB | eta {format_duration(r['eta_s'])}")
 
-    def eval(self, step: int, val_loss: Optional[float],
-             val_loss_by_position: Optional[Dict[str, float]] = None, val_bpb: Optional[float] = None) -> dict:
+    def eval(self, step: int, val_loss: float | None,
+             val_loss_by_position: dict[str, float] | None = None, val_bpb: float | None = None) -> dict:
         """An evaluation after `step`: prints the eval line and records val_loss (None: no labelled
         tokens), val_bits_per_token, val_bpb (bits per byte of text: when the data records its bytes,
         train/evaluation.py) and, if given, the loss by position bucket {"start-end": loss}."""
@@ -302,7 +303,7 @@ class ProgressLogger:
         self.plot()
         return record
 
-    def record(self, record: dict, line: Optional[str] = None) -> None:
+    def record(self, record: dict, line: str | None = None) -> None:
         """Send any other record to every sink, e.g. {"step", "skipped_step", "reason"} or
         {"step", "checkpoint": path}; `line`, if given, is printed above the bar."""
         step = record.get("step") if isinstance(record, dict) else None
@@ -324,7 +325,7 @@ class ProgressLogger:
                 self.say(f"note: {type(sink).__name__} failed ({type(err).__name__}: {err}); "
                          f"it gets no more records, {METRICS_FILE} has them all")
 
-    def plot(self) -> Optional[Path]:
+    def plot(self) -> Path | None:
         """Write loss.png to out_dir when matplotlib is importable; return its path or None."""
         train_points = [(r["step"], r["loss"]) for r in self._earlier if "loss" in r] + self.loss_points
         if self.out_dir is None or not train_points:
@@ -358,7 +359,7 @@ class ProgressLogger:
             plt.close(fig)
         return path
 
-    def close(self, summary: Optional[dict] = None) -> None:
+    def close(self, summary: dict | None = None) -> None:
         """Write the summary record (at the last step), loss.png, and close every sink; idempotent."""
         if self.bar is not None:
             self.bar.hide()

@@ -14,8 +14,8 @@ p is clamped to [0, 1]: cosine and wsd reach min_lr at the last update, steps - 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable, Optional
 
 from ..config import ConfigError, TrainConfig
 
@@ -89,7 +89,7 @@ def check_resumed_schedule(saved_config: dict, train: TrainConfig, step: int, sa
     say(f"resume | train.schedule_override: the new LR schedule from step {step} ({changes}); {at_step}")
 
 
-def _saved_lr_at(step: int, saved: dict) -> Optional[float]:
+def _saved_lr_at(step: int, saved: dict) -> float | None:
     """The saved schedule's LR at `step`; None when the checkpoint does not record what it reads."""
     reads = READS.get(saved["lr_schedule"])
     if reads is None or any(name not in saved for name in reads):
@@ -97,5 +97,5 @@ def _saved_lr_at(step: int, saved: dict) -> Optional[float]:
     return lr_at(step, replace(TrainConfig(), lr_schedule=saved["lr_schedule"], **{name: saved[name] for name in reads}))
 
 
-def _format_lr(lr: Optional[float]) -> str:
+def _format_lr(lr: float | None) -> str:
     return "unknown" if lr is None else f"{lr:.3e}"

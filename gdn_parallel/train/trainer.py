@@ -22,14 +22,20 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointSaver, complete_checkpoints, load_checkpoint, read_trainer_state, resolve_resume
+from ..checkpoint import (
+    CheckpointSaver,
+    complete_checkpoints,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_resume,
+)
 from ..checkpoint.files import CONFIG_COPY, final_path, set_aside_after
 from ..checkpoint.loading import CheckpointDamaged, pass_over, whole_problem
 from ..checkpoint.manager import layout_record
@@ -43,11 +49,11 @@ from ..ops.triton_dispatch import check_kernel_config
 from ..parallel.mesh import build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
+from ..runtime.session import process_group
 from .evaluation import evaluate, validation_text_bytes
 from .optim import autocast_dtype, build_optimizer
 from .progress import ProgressLogger, format_duration, peak_flops_per_s
 from .schedule import check_resumed_schedule, schedule_from_config
-from ..runtime.session import process_group
 
 
 class StopRequest:
@@ -79,8 +85,8 @@ class TrainingDiverged(FloatingPointError):
     """train.max_skipped_steps steps in a row had a non-finite loss or gradient: the run stopped."""
 
 
-def run_training(config: Config, print_fn: Optional[Callable[[str], None]] = None,
-                 resume: Optional[str] = None) -> dict:
+def run_training(config: Config, print_fn: Callable[[str], None] | None = None,
+                 resume: str | None = None) -> dict:
     config.validate()
     _make_out_dir(config.train.out_dir)
     with process_group(config.train) as (device, _launched):
@@ -114,7 +120,7 @@ def _check_data_size(dataset, config: Config) -> None:
                           f"train.seq_len or train.batch_size")
 
 
-def _resume_point(resume: Optional[str], config: Config, say) -> Optional[Path]:
+def _resume_point(resume: str | None, config: Config, say) -> Path | None:
     """The checkpoint to resume (verified; a collective), after the checks that need no model: a run
     already at train.steps, and a fresh run into an out_dir that holds another run's checkpoints."""
     train = config.train
@@ -279,7 +285,7 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
                     device, say)
 
 
-def _validation_steps(dataset, config: Config, dp_rank: int, device: torch.device, say) -> List[list]:
+def _validation_steps(dataset, config: Config, dp_rank: int, device: torch.device, say) -> list[list]:
     """This replica's share of the fixed validation set (train.eval_rows rows, the same under every
     layout: data/validation.py), on the training device once, like the training micro-batches."""
     train, data = config.train, config.data

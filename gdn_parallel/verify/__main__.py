@@ -35,7 +35,6 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 
@@ -103,7 +102,7 @@ def resolve_config_path(path: str) -> Path:
     return candidate
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
     launch = detect_launch_env()
     is_main = launch is None or launch.rank == 0
@@ -182,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if result.passed else 1
 
 
-def _faults(specs: List[str], runnable: List[Layout], checkpoint: bool) -> Dict[str, str]:
+def _faults(specs: list[str], runnable: list[Layout], checkpoint: bool) -> dict[str, str]:
     """--inject-fault LAYOUT[:KIND] ... -> {layout name: kind}, checked against the layouts that run."""
     names = [l.name for l in runnable]
     faults = {}

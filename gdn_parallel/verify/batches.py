@@ -13,7 +13,7 @@ of every token loss over the label count of the whole step in both, so they are 
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ LAYOUT_KINDS = 4    # how many document layouts the micro-batches cycle through
 MIN_ROW_TOKENS = 16  # room for every layout's pieces (a 1-token and a 2-token piece past the middle)
 
 
-def document_boundaries(total: int, kind: int, seed: int) -> List[int]:
+def document_boundaries(total: int, kind: int, seed: int) -> list[int]:
     """cu_seqlens of a row of `total` tokens, for document layout `kind` (0..LAYOUT_KINDS-1)."""
     if total < MIN_ROW_TOKENS:
         raise ValueError(f"a verification row needs at least {MIN_ROW_TOKENS} tokens, got {total}: "
@@ -42,7 +42,7 @@ def document_boundaries(total: int, kind: int, seed: int) -> List[int]:
 
 
 def verification_batch(step: int, micro_batches: int, rows: int, seq_len: int, vocab_size: int,
-                       device: torch.device) -> List[PackedBatch]:
+                       device: torch.device) -> list[PackedBatch]:
     """The step's micro-batches (the same on every rank), on `device`."""
     total = rows * seq_len
     batch = []
@@ -53,7 +53,7 @@ def verification_batch(step: int, micro_batches: int, rows: int, seq_len: int, v
     return batch
 
 
-def replica_share(batch: Sequence[PackedBatch], dp_rank: int, dp: int) -> List[PackedBatch]:
+def replica_share(batch: Sequence[PackedBatch], dp_rank: int, dp: int) -> list[PackedBatch]:
     """Data-parallel replica `dp_rank`'s micro-batches of the step."""
     if len(batch) % dp:
         raise ValueError(f"{len(batch)} micro-batches do not split over dp={dp} replicas")

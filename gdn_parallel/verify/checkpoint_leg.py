@@ -29,9 +29,9 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,12 +65,12 @@ class CheckpointSettings:
 @dataclass
 class RankCheckpoint:
     """What one rank saw of the leg (sent to every rank with all_gather_object)."""
-    val_loss: Optional[float] = None             # the layout's evaluation (the same on every rank)
-    val_reference: Optional[float] = None
-    error: Optional[str] = None                  # a save or load that raised, where and why
-    first_difference: Optional[Tuple[str, str]] = None   # resumed vs uninterrupted: (quantity, tensor name)
-    scalars: Dict[str, float] = field(default_factory=dict)                 # resume_ref: loss, grad_norm
-    tensors: Dict[str, Dict[str, TensorDiff]] = field(default_factory=dict)  # resume_ref: grads, params
+    val_loss: float | None = None             # the layout's evaluation (the same on every rank)
+    val_reference: float | None = None
+    error: str | None = None                  # a save or load that raised, where and why
+    first_difference: tuple[str, str] | None = None   # resumed vs uninterrupted: (quantity, tensor name)
+    scalars: dict[str, float] = field(default_factory=dict)                 # resume_ref: loss, grad_norm
+    tensors: dict[str, dict[str, TensorDiff]] = field(default_factory=dict)  # resume_ref: grads, params
 
 
 @dataclass
@@ -79,9 +79,9 @@ class Uninterrupted:
     loss: torch.Tensor
     norm: torch.Tensor
     reference: StepGradients                    # the reference's, at the parameters of the checkpoint
-    local: Dict[str, Dict[str, torch.Tensor]]   # quantity -> name -> this rank's tensor
-    grads: Dict[str, torch.Tensor]              # full shape, before clipping (resume_ref)
-    params: Dict[str, torch.Tensor]             # full shape, after the update
+    local: dict[str, dict[str, torch.Tensor]]   # quantity -> name -> this rank's tensor
+    grads: dict[str, torch.Tensor]              # full shape, before clipping (resume_ref)
+    params: dict[str, torch.Tensor]             # full shape, after the update
 
 
 class CheckpointLeg:
@@ -90,7 +90,7 @@ class CheckpointLeg:
 
     def __init__(self, settings: CheckpointSettings, layout: Layout, dims: ParallelDims, build,
                  batch: Sequence[PackedBatch], reference: ReferenceModel, grad_clip: float, seed: int,
-                 autocast_dtype: Optional[torch.dtype], fault: Optional[str] = None):
+                 autocast_dtype: torch.dtype | None, fault: str | None = None):
         self.layout, self.dims, self.build, self.batch = layout, dims, build, batch
         self.reference, self.grad_clip, self.seed = reference, grad_clip, seed
         self.autocast_dtype, self.fault = autocast_dtype, fault
@@ -100,10 +100,10 @@ class CheckpointLeg:
                                       activation_checkpointing=layout.activation_checkpointing))
         self.out_dir = str(Path(settings.root) / "".join(c if c.isalnum() else "_" for c in layout.name))
         self.result = RankCheckpoint()
-        self.uninterrupted: Optional[Uninterrupted] = None
-        self._grads_before_clipping: Dict[str, torch.Tensor] = {}
-        self._full_grads: Dict[str, torch.Tensor] = {}
-        self._reference_at_save: Dict[str, torch.Tensor] = {}
+        self.uninterrupted: Uninterrupted | None = None
+        self._grads_before_clipping: dict[str, torch.Tensor] = {}
+        self._full_grads: dict[str, torch.Tensor] = {}
+        self._reference_at_save: dict[str, torch.Tensor] = {}
 
     @property
     def path(self) -> Path:
@@ -115,13 +115,13 @@ class CheckpointLeg:
         if index == SAVED_AFTER:
             self._grads_before_clipping = _local(named, lambda p: p.grad)
 
-    def keep_gradients(self, index: int, grads: Dict[str, torch.Tensor]) -> None:
+    def keep_gradients(self, index: int, grads: dict[str, torch.Tensor]) -> None:
         """The layout's gradients at full shape, before clipping."""
         if index == SAVED_AFTER:
             self._full_grads = dict(grads)
 
     def after_step(self, index: int, parallel, optimizer, named, loss: torch.Tensor, norm: torch.Tensor,
-                   expected: StepGradients, params: Dict[str, torch.Tensor]) -> None:
+                   expected: StepGradients, params: dict[str, torch.Tensor]) -> None:
         """Step `index` is done (the reference holds the layout's parameters when more steps follow);
         `expected`: the reference's gradients of the step; `params`: the layout's, at full shape."""
         if index == SAVED_AFTER - 1:
@@ -203,7 +203,7 @@ class CheckpointLeg:
             action()
         except (Exception, CheckpointException) as err:  # the layout's failure, named with its cause
             error = f"{what} raised on rank {dist.get_rank()}: {_cause(err)}"
-        errors: List[Optional[str]] = [None] * dist.get_world_size()
+        errors: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         self.result.error = next((e for e in errors if e is not None), None)
 
@@ -226,7 +226,7 @@ def shared_directory(parent: Path) -> Iterator[str]:
     path, problem = holder
     if problem is not None:
         raise ConfigError(problem)
-    seen: List[bool] = [False] * dist.get_world_size()
+    seen: list[bool] = [False] * dist.get_world_size()
     dist.all_gather_object(seen, Path(path).is_dir())
     try:
         blind = [rank for rank, ok in enumerate(seen) if not ok]
@@ -241,23 +241,23 @@ def shared_directory(parent: Path) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------- tensors of this rank
-def _as_local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _as_local(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _local(named, pick) -> Dict[str, Optional[torch.Tensor]]:
+def _local(named, pick) -> dict[str, torch.Tensor | None]:
     return {name: _as_local(pick(p)) for name, p in named}
 
 
-def _slots(named, optimizer) -> Dict[str, torch.Tensor]:
+def _slots(named, optimizer) -> dict[str, torch.Tensor]:
     return {f"{name}.{slot}": _as_local(value) for name, p in named
             for slot, value in sorted(optimizer.state.get(p, {}).items()) if isinstance(value, torch.Tensor)}
 
 
-def _first_difference(resumed: Dict[str, Dict[str, Optional[torch.Tensor]]],
-                      expected: Dict[str, Dict[str, Optional[torch.Tensor]]]) -> Optional[Tuple[str, str]]:
+def _first_difference(resumed: dict[str, dict[str, torch.Tensor | None]],
+                      expected: dict[str, dict[str, torch.Tensor | None]]) -> tuple[str, str] | None:
     """(quantity, tensor name) of the first tensor, in RESUMED_QUANTITIES order, that is not
     bit-equal (or is missing on one side)."""
     for quantity in RESUMED_QUANTITIES:

@@ -8,8 +8,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 from .checkpoint_leg import RESUMED_QUANTITIES, SAVED_AFTER, RankCheckpoint
 from .compare import Criteria, Measured, measure_steps, merge_rank_diffs, scalar_error, worst
@@ -20,20 +20,20 @@ VAL_LOSS_TOLERANCE = 1e-6   # fp32: one forward of the same rows, nothing accumu
 @dataclass
 class CheckpointCheck:
     """A layout's leg, merged over ranks and judged."""
-    val_loss: Optional[float]                   # relative error
-    val_layout: Optional[float]
-    val_reference: Optional[float]
+    val_loss: float | None                   # relative error
+    val_layout: float | None
+    val_reference: float | None
     val_bound: float
-    resume_same: Optional[str]                  # None: exact; else the first difference, or why not run
-    resume_ref: Optional[Measured]
-    failures: List[str]
+    resume_same: str | None                  # None: exact; else the first difference, or why not run
+    resume_ref: Measured | None
+    failures: list[str]
 
     @property
     def exact(self) -> bool:
         return self.resume_ref is not None and self.resume_same is None
 
     @property
-    def resume_ref_error(self) -> Optional[float]:
+    def resume_ref_error(self) -> float | None:
         return None if self.resume_ref is None else worst(self.resume_ref.errors.values())
 
     def as_dict(self) -> dict:
@@ -45,7 +45,7 @@ class CheckpointCheck:
                                                         "worst": ref.worst_names, "missing": ref.missing}}
 
 
-def val_loss_bound(criteria: Criteria, tolerance: Optional[float]) -> float:
+def val_loss_bound(criteria: Criteria, tolerance: float | None) -> float:
     """VAL_LOSS_TOLERANCE in fp32 (--tolerance replaces it, as it replaces the fp32 bound); the loss
     criterion in bf16 (the layout under autocast against the fp32 reference)."""
     if criteria.precision == "fp32":

@@ -33,8 +33,8 @@ Criteria (`Criteria`), as tools/verify_layouts.py and tools/verify_cp.py had the
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,7 +49,7 @@ BF16_RATIO = 1.5
 TENSOR_SETS = ("grads", "params")
 QUANTITIES = ("loss", "grad_norm", *(q for s in TENSOR_SETS for q in (s, s + "_all")))
 
-TensorDiff = Tuple[float, float, float]   # (||actual - expected||^2, ||expected||^2, max |expected|)
+TensorDiff = tuple[float, float, float]   # (||actual - expected||^2, ||expected||^2, max |expected|)
 
 
 def relative_error(actual, expected) -> float:
@@ -88,9 +88,9 @@ def tensor_diff(actual: torch.Tensor, expected: torch.Tensor, name: str = "tenso
 @dataclass
 class SetError:
     worst: float
-    worst_name: Optional[str]
+    worst_name: str | None
     whole: float                      # the set as one vector
-    noise_judged: List[str] = field(default_factory=list)   # references measured against the set
+    noise_judged: list[str] = field(default_factory=list)   # references measured against the set
 
 
 def set_error(diffs: Mapping[str, TensorDiff]) -> SetError:
@@ -112,10 +112,10 @@ def set_error(diffs: Mapping[str, TensorDiff]) -> SetError:
     return SetError(errors[worst], worst, whole, noise)
 
 
-def merge_rank_diffs(per_rank: Iterable[Mapping[str, TensorDiff]]) -> Dict[str, TensorDiff]:
+def merge_rank_diffs(per_rank: Iterable[Mapping[str, TensorDiff]]) -> dict[str, TensorDiff]:
     """One entry per tensor name from every rank's: replicas (dp, cp, tp copies, both pipeline
     ranks of a tied weight) should agree; the largest difference any of them shows is kept (NaN first)."""
-    merged: Dict[str, TensorDiff] = {}
+    merged: dict[str, TensorDiff] = {}
     for diffs in per_rank:
         for name, entry in diffs.items():
             if name not in merged or not entry[0] <= merged[name][0]:
@@ -130,11 +130,11 @@ class Criteria:
     tolerance: float                             # fp32: the bound; bf16: the floor of the relative bounds
     loss_tolerance: float
     update_tolerance: float                      # params: fp32 arithmetic whatever the autocast
-    baseline: Optional[Dict[str, float]] = None
+    baseline: dict[str, float] | None = None
 
     @classmethod
-    def for_run(cls, precision: str, device_type: str, tolerance: Optional[float] = None,
-                baseline: Optional[Dict[str, float]] = None) -> "Criteria":
+    def for_run(cls, precision: str, device_type: str, tolerance: float | None = None,
+                baseline: dict[str, float] | None = None) -> Criteria:
         fp32 = FP32_TOLERANCE.get(device_type, FP32_TOLERANCE["cuda"])
         if precision == "fp32":
             bound = tolerance if tolerance is not None else fp32
@@ -153,7 +153,7 @@ class Criteria:
             return self.tolerance
         return max(self.tolerance, BF16_RATIO * self.baseline.get(quantity, 0.0))
 
-    def failures(self, errors: Mapping[str, float]) -> List[str]:
+    def failures(self, errors: Mapping[str, float]) -> list[str]:
         """'quantity error > bound' for each quantity out of bounds (a NaN error fails too)."""
         out = []
         for quantity in QUANTITIES:
@@ -178,11 +178,11 @@ class Criteria:
 class Measured:
     """A run's errors: each quantity's worst over the steps, the tensors where the worst errors
     sit, and every step's numbers."""
-    errors: Dict[str, float]
-    worst_names: Dict[str, Optional[str]]
-    per_step: List[Dict[str, float]]
-    missing: List[str] = field(default_factory=list)   # reference parameters no rank held
-    noise_judged: List[str] = field(default_factory=list)
+    errors: dict[str, float]
+    worst_names: dict[str, str | None]
+    per_step: list[dict[str, float]]
+    missing: list[str] = field(default_factory=list)   # reference parameters no rank held
+    noise_judged: list[str] = field(default_factory=list)
 
 
 def measure_steps(scalars: Sequence[Mapping[str, float]], tensor_sets: Sequence[Mapping[str, Mapping[str, TensorDiff]]],
@@ -191,7 +191,7 @@ def measure_steps(scalars: Sequence[Mapping[str, float]], tensor_sets: Sequence[
     `tensor_sets[step]` {set name (TENSOR_SETS): {tensor name: TensorDiff merged over ranks}}."""
     expected = set(reference_names)
     per_step, worst_names, missing, noise = [], {}, set(), set()
-    errors: Dict[str, float] = {}
+    errors: dict[str, float] = {}
     for step_scalars, sets in zip(scalars, tensor_sets):
         row = dict(step_scalars)
         for set_name, diffs in sets.items():

@@ -13,8 +13,8 @@ the second from its checkpoint once the run is done.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig, ParallelConfig
 from ..data.packing import PackedBatch
+from ..model import build_model
 from ..parallel.mesh import ParallelDims, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
 from ..parallel.tensor import full_tensor
-from ..model import build_model
 from .batches import replica_share
 from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointLeg, CheckpointSettings, RankCheckpoint
 from .compare import TensorDiff, scalar_error, tensor_diff
@@ -40,10 +40,10 @@ FAULT_KINDS = ("grads", "params")
 @dataclass
 class RankMeasurement:
     """What one rank saw of a layout, per step (sent to every rank with all_gather_object)."""
-    losses: List[float] = field(default_factory=list)
-    scalars: List[Dict[str, float]] = field(default_factory=list)                  # loss, grad_norm
-    tensors: List[Dict[str, Dict[str, TensorDiff]]] = field(default_factory=list)  # grads, params
-    checkpoint: Optional[RankCheckpoint] = None                                    # --checkpoint
+    losses: list[float] = field(default_factory=list)
+    scalars: list[dict[str, float]] = field(default_factory=list)                  # loss, grad_norm
+    tensors: list[dict[str, dict[str, TensorDiff]]] = field(default_factory=list)  # grads, params
+    checkpoint: RankCheckpoint | None = None                                    # --checkpoint
 
 
 def full_shape(t: torch.Tensor, param: torch.nn.Parameter, dims: ParallelDims) -> torch.Tensor:
@@ -74,8 +74,8 @@ def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: Par
 
 def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequence[Sequence[PackedBatch]],
                reference: ReferenceModel, first: StepGradients, device: torch.device,
-               optimizer: OptimizerSettings, seq_len: int, autocast_dtype: Optional[torch.dtype] = None,
-               inject_fault: Optional[str] = None, checkpoint: Optional[CheckpointSettings] = None) -> RankMeasurement:
+               optimizer: OptimizerSettings, seq_len: int, autocast_dtype: torch.dtype | None = None,
+               inject_fault: str | None = None, checkpoint: CheckpointSettings | None = None) -> RankMeasurement:
     """`reference` at the seed's weights; `first`: its gradients of steps[0] there (shared by every
     layout, whose first step starts from the same weights). `inject_fault` (tests only): a FAULT_KINDS
     or checkpoint_leg.CHECKPOINT_FAULTS entry, the quantity to spoil. `checkpoint`: run the
@@ -131,7 +131,7 @@ def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequ
     return measured
 
 
-def _follow_layout(reference: ReferenceModel, values: Dict[str, torch.Tensor], model_config: ModelConfig,
+def _follow_layout(reference: ReferenceModel, values: dict[str, torch.Tensor], model_config: ModelConfig,
                    config: ParallelConfig, dims: ParallelDims, seq_len: int) -> None:
     """The reference takes the layout's parameters, each from the pipeline rank that holds it
     (a broadcast over the pp group, in the reference's parameter order on every rank)."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
 
 from ..config import CHECKPOINTING_MODES, ConfigError, ModelConfig, ParallelConfig
 
@@ -141,7 +141,7 @@ def parse_layout(spec: str) -> Layout:
     return layout
 
 
-def parse_layouts(specs: Iterable[str], world_size: int) -> List[Layout]:
+def parse_layouts(specs: Iterable[str], world_size: int) -> list[Layout]:
     """`--layouts` values: each one layout, or several separated by ';' or spaces between layouts."""
     layouts = []
     for spec in specs:
@@ -166,7 +166,7 @@ def _example(world_size: int, layout: Layout) -> str:
 
 
 # ------------------------------------------------------------------------------------ enumerating
-def factorisations(n: int) -> List[Tuple[int, int, int, int]]:
+def factorisations(n: int) -> list[tuple[int, int, int, int]]:
     """Every (pp, dp, cp, tp) of positive integers with product n, in lexicographic order."""
     if n < 1:
         raise ValueError(f"a world of {n} processes")
@@ -176,7 +176,7 @@ def factorisations(n: int) -> List[Tuple[int, int, int, int]]:
             if n % (pp * dp * cp) == 0]
 
 
-def base_layouts(world_size: int) -> List[Layout]:
+def base_layouts(world_size: int) -> list[Layout]:
     """The factorisations of the world with default options, single dimensions first (pure tp, pp,
     dp, cp), then by the number of dimensions used: the simplest failing row is the most telling."""
     layouts = [Layout(*f) for f in factorisations(world_size)]
@@ -200,12 +200,12 @@ VARIANTS = (
 )
 
 
-def default_layouts(world_size: int, model: ModelConfig, tokens_per_row: int) -> List[Tuple[Layout, Optional[str]]]:
+def default_layouts(world_size: int, model: ModelConfig, tokens_per_row: int) -> list[tuple[Layout, str | None]]:
     """(layout, reason it is skipped or None) for the default set (module docstring)."""
     bases = base_layouts(world_size)
     result = [(layout, unsupported_reason(layout, model, tokens_per_row)) for layout in bases]
     for fields, needs, partners in VARIANTS:
-        def preference(base: Layout):
+        def preference(base: Layout, partners: tuple = partners, needs: str = needs):
             present = [i for i, d in enumerate(partners) if getattr(base, d) > 1]
             dims_used = sum(getattr(base, d) > 1 for d in DIMS)
             return (present[0] if present else len(partners), dims_used, -getattr(base, needs))
@@ -217,7 +217,7 @@ def default_layouts(world_size: int, model: ModelConfig, tokens_per_row: int) ->
     return result
 
 
-def unsupported_reason(layout: Layout, model: ModelConfig, tokens_per_row: int) -> Optional[str]:
+def unsupported_reason(layout: Layout, model: ModelConfig, tokens_per_row: int) -> str | None:
     """Why the model (or the verification row) cannot run under `layout`, or None."""
     config = layout.parallel_config()
     try:
@@ -235,8 +235,8 @@ def describe_default_set(world_size: int, model: ModelConfig, tokens_per_row: in
     return "; ".join(l.name + (" (skipped)" if r else "") for l, r in default_layouts(world_size, model, tokens_per_row))
 
 
-def layouts_to_run(specs: Optional[Sequence[str]], world_size: int, model: ModelConfig,
-                   tokens_per_row: int) -> List[Tuple[Layout, Optional[str]]]:
+def layouts_to_run(specs: Sequence[str] | None, world_size: int, model: ModelConfig,
+                   tokens_per_row: int) -> list[tuple[Layout, str | None]]:
     """The layouts of the job: the default set, or the `--layouts` ones (which must all run)."""
     if not specs:
         return default_layouts(world_size, model, tokens_per_row)

@@ -10,8 +10,8 @@ layout's parameters (runner.py), so that every step compares the two at the same
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ class OptimizerSettings:
     grad_clip: float          # inf: no clipping (the norm is still compared)
 
     @classmethod
-    def from_train_config(cls, train) -> "OptimizerSettings":
+    def from_train_config(cls, train) -> OptimizerSettings:
         clip = train.grad_clip if train.grad_clip > 0 else float("inf")
         return cls(train.lr, (train.beta1, train.beta2), train.weight_decay, clip)
 
@@ -50,10 +50,10 @@ class OptimizerSettings:
 class StepGradients:
     loss: float
     grad_norm: float
-    grads: Dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
 
 
-def autocast(dtype: Optional[torch.dtype], device: torch.device):
+def autocast(dtype: torch.dtype | None, device: torch.device):
     """The autocast of ParallelModel.train_step (no weight-cast cache), or nothing for fp32."""
     if dtype is None:
         return contextlib.nullcontext()
@@ -75,7 +75,7 @@ class ReferenceModel:
         self.model.train()
         self.device = device
         self.settings = optimizer
-        self.params: Dict[str, nn.Parameter] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.params: dict[str, nn.Parameter] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self._initial = {n: p.detach().clone() for n, p in self.params.items()}
         self.optimizer = optimizer.build(self.params.values())
 
@@ -90,7 +90,7 @@ class ReferenceModel:
                 p.grad = None
         self.optimizer = self.settings.build(self.params.values())
 
-    def gradients(self, batch: Sequence[PackedBatch], autocast_dtype: Optional[torch.dtype] = None) -> StepGradients:
+    def gradients(self, batch: Sequence[PackedBatch], autocast_dtype: torch.dtype | None = None) -> StepGradients:
         labels = label_count(batch)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in batch:
@@ -108,7 +108,7 @@ class ReferenceModel:
         return StepGradients(float(loss), float(norm), grads)
 
     @torch.no_grad()
-    def evaluate(self, batch: Sequence[PackedBatch]) -> Tuple[float, int]:
+    def evaluate(self, batch: Sequence[PackedBatch]) -> tuple[float, int]:
         """(summed token loss, label count) of the rows in fp32, forward only in eval mode: the
         quantity ParallelModel.evaluate returns."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)

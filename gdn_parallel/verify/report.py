@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
 
 import torch
 
@@ -48,7 +47,7 @@ def _checkpoint_bounds(result: Verification) -> tuple:
     return (_error_cell(result.val_loss_bound), _error_cell(bounds.pop()) if len(bounds) == 1 else "-", "exact")
 
 
-def table(result: Verification) -> List[str]:
+def table(result: Verification) -> list[str]:
     """Layout | worst relative error per quantity over the steps | verdict; failures explained below."""
     checkpoint = result.val_loss_bound is not None
     titles = "".join(f"{title:>11}" for _, title in COLUMNS)
@@ -95,7 +94,7 @@ def to_json(result: Verification, header: dict) -> dict:
     }
 
 
-def write_json(data: dict, path: Optional[str]) -> Path:
+def write_json(data: dict, path: str | None) -> Path:
     target = Path(path or default_json_path())
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")

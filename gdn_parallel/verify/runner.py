@@ -4,8 +4,8 @@ results."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,16 @@ from ..config import ModelConfig
 from ..data.packing import PackedBatch
 from .checkpoint_leg import CheckpointSettings
 from .checkpoint_verdict import CheckpointCheck, judge, val_loss_bound
-from .compare import (TENSOR_SETS, Criteria, Measured, measure_steps, merge_rank_diffs, scalar_error, tensor_diff,
-                      worst)
+from .compare import (
+    TENSOR_SETS,
+    Criteria,
+    Measured,
+    measure_steps,
+    merge_rank_diffs,
+    scalar_error,
+    tensor_diff,
+    worst,
+)
 from .layout_run import RankMeasurement, run_layout
 from .layouts import Layout
 from .reference import OptimizerSettings, ReferenceModel, StepGradients, clip_coefficient
@@ -25,10 +33,10 @@ from .reference import OptimizerSettings, ReferenceModel, StepGradients, clip_co
 class LayoutResult:
     layout: Layout
     status: str                        # pass | fail | skipped
-    reason: Optional[str] = None       # why skipped, or what failed
-    measured: Optional[Measured] = None
+    reason: str | None = None       # why skipped, or what failed
+    measured: Measured | None = None
     seconds: float = 0.0
-    checkpoint: Optional[CheckpointCheck] = None   # --checkpoint
+    checkpoint: CheckpointCheck | None = None   # --checkpoint
 
 
 @dataclass
@@ -36,10 +44,10 @@ class Verification:
     """Everything the report shows: the reference, the criteria, each layout's result."""
     criteria: Criteria
     reference_loss: float
-    results: List[LayoutResult] = field(default_factory=list)
-    baseline: Optional[Measured] = None      # bf16 on one device vs fp32 (bf16 runs only)
+    results: list[LayoutResult] = field(default_factory=list)
+    baseline: Measured | None = None      # bf16 on one device vs fp32 (bf16 runs only)
     reference_seconds: float = 0.0
-    val_loss_bound: Optional[float] = None   # --checkpoint runs only
+    val_loss_bound: float | None = None   # --checkpoint runs only
 
     @property
     def passed(self) -> bool:
@@ -73,10 +81,10 @@ def merge_ranks(per_rank: Sequence[RankMeasurement], reference_names) -> Measure
 
 
 def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[PackedBatch]],
-           layouts: Sequence[Tuple[Layout, Optional[str]]], device: torch.device,
-           optimizer: OptimizerSettings, seq_len: int, precision: str, tolerance: Optional[float] = None,
-           faults: Optional[Dict[str, str]] = None, progress: Callable[[str], None] = lambda line: None,
-           checkpoint: Optional[CheckpointSettings] = None) -> Verification:
+           layouts: Sequence[tuple[Layout, str | None]], device: torch.device,
+           optimizer: OptimizerSettings, seq_len: int, precision: str, tolerance: float | None = None,
+           faults: dict[str, str] | None = None, progress: Callable[[str], None] = lambda line: None,
+           checkpoint: CheckpointSettings | None = None) -> Verification:
     """Run the reference and every layout ((layout, skip reason or None)) on this rank. `faults`
     (tests only): {layout name: the quantity to spoil on purpose (layout_run.FAULT_KINDS,
     checkpoint_leg.CHECKPOINT_FAULTS)}. `checkpoint`: each layout also saves and resumes a checkpoint
@@ -108,7 +116,7 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
                               autocast_dtype, inject_fault=(faults or {}).get(layout.name), checkpoint=checkpoint)
         except Exception as err:
             raise RuntimeError(f"layout {layout.name} raised on rank {dist.get_rank()}: {type(err).__name__}: {err}") from err
-        per_rank: List[Optional[RankMeasurement]] = [None] * dist.get_world_size()
+        per_rank: list[RankMeasurement | None] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         measured = merge_ranks(per_rank, reference.names)
         failures = criteria.failures(measured.errors)

@@ -11,13 +11,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional
 
 import torch
 import triton
 
 from ..chunk_layout import build_layout
-
 from . import backward as bwd
 from . import forward as fwd
 from .gates import gate_backward, gate_forward
@@ -29,9 +27,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 __all__ = ["triton_gated_delta_rule", "CHUNK"]
 
 
-def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: Optional[torch.Tensor] = None,
-                            output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-                            decay_params=None, beta_activation: Optional[str] = None, use_qk_l2norm: bool = False,
+def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: torch.Tensor | None = None,
+                            output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                            decay_params=None, beta_activation: str | None = None, use_qk_l2norm: bool = False,
                             relay=None):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] (see gated_delta_rule for the meaning).
 

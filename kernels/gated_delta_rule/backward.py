@@ -20,8 +20,17 @@ forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them in
 import triton
 import triton.language as tl
 
-from .common import (decay_matrix, identity_columns, load_gamma, load_rows, load_state,
-                     load_value_columns, store_rows, store_state, store_summary)
+from .common import (
+    decay_matrix,
+    identity_columns,
+    load_gamma,
+    load_rows,
+    load_state,
+    load_value_columns,
+    store_rows,
+    store_state,
+    store_summary,
+)
 
 
 @triton.jit

@@ -14,8 +14,18 @@
 import triton
 import triton.language as tl
 
-from .common import (decay_matrix, identity_columns, load_gamma, load_rows, load_state,
-                     load_value_columns, store_rows, store_state, store_summary, unit_lower_inverse)
+from .common import (
+    decay_matrix,
+    identity_columns,
+    load_gamma,
+    load_rows,
+    load_state,
+    load_value_columns,
+    store_rows,
+    store_state,
+    store_summary,
+    unit_lower_inverse,
+)
 
 
 @triton.jit

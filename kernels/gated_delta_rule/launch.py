@@ -10,15 +10,15 @@ process. tools/kernel_resources.py replays this choice for sm_90 on any machine.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import triton
 from triton.runtime.errors import OutOfResources
 
-_CHOSEN: Dict[Tuple, int] = {}
+_CHOSEN: dict[tuple, int] = {}
 
 
-def setting_ladder(block_v: int, num_warps: int, num_stages: int, min_block_v: int = 16) -> List[dict]:
+def setting_ladder(block_v: int, num_warps: int, num_stages: int, min_block_v: int = 16) -> list[dict]:
     """Settings from (block_v, num_stages) down to (min_block_v, 1): first shallower pipelining, then
     narrower value blocks (each halves the per-program tiles that scale with V)."""
     settings, bv = [], block_v
@@ -32,7 +32,7 @@ def setting_ladder(block_v: int, num_warps: int, num_stages: int, min_block_v: i
         stages = [s for s in (2, 1) if s <= num_stages]
 
 
-def launch_fitting(kernel, grid: Callable[[dict], tuple], args: Sequence, settings: List[dict], key: tuple,
+def launch_fitting(kernel, grid: Callable[[dict], tuple], args: Sequence, settings: list[dict], key: tuple,
                    **constexprs) -> dict:
     """kernel[grid(setting)](*args, **setting, **constexprs) with the first setting that the device
     can run (BV, num_warps, num_stages in each setting); returns that setting."""
@@ -54,7 +54,7 @@ def launch_fitting(kernel, grid: Callable[[dict], tuple], args: Sequence, settin
                        ) from error
 
 
-def chosen_settings() -> Dict[Tuple, int]:
+def chosen_settings() -> dict[tuple, int]:
     """The index of the setting each (kernel, shapes, dtype, device) runs with (for tools and tests)."""
     return dict(_CHOSEN)
 

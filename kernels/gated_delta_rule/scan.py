@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -22,10 +21,10 @@ import triton.language as tl
 class ScanPlan:
     doc_first: torch.Tensor                 # [N] int32, first chunk of each document
     doc_count: torch.Tensor                 # [N] int32, its number of chunks
-    span_first: Optional[torch.Tensor] = None   # [S] int32 (None: documents are walked whole)
-    span_count: Optional[torch.Tensor] = None
-    doc_span_first: Optional[torch.Tensor] = None  # [N] int32, first span of each document
-    doc_span_count: Optional[torch.Tensor] = None
+    span_first: torch.Tensor | None = None   # [S] int32 (None: documents are walked whole)
+    span_count: torch.Tensor | None = None
+    doc_span_first: torch.Tensor | None = None  # [N] int32, first span of each document
+    doc_span_count: torch.Tensor | None = None
 
     @property
     def num_docs(self) -> int:
@@ -63,7 +62,7 @@ def plan_scan(doc_first: list, doc_count: list, device, span_chunks: int) -> Sca
     return ScanPlan(*parts)
 
 
-def fold(summary: torch.Tensor, plan: ScanPlan, state0: Optional[torch.Tensor], V: int, reverse: bool,
+def fold(summary: torch.Tensor, plan: ScanPlan, state0: torch.Tensor | None, V: int, reverse: bool,
          precision: str, interpret: bool):
     """summary [S, HV, K, K + V] = [M | S_loc] per span -> (state entering every span, state leaving
     every document). With reverse, spans are walked last to first (the backward's (M^T, R))."""

@@ -236,6 +236,7 @@ def start_from(checkpoint: Path, run_dir: Path) -> Path:
 def data(tmp_path_factory) -> Path:
     """A tiny corpus written here, prepared by tools/prepare_data.py (byte tokenizer)."""
     import random
+
     import tools.prepare_data as prepare_data
     root = tmp_path_factory.mktemp("data")
     words = ("the state of a gated delta rule is handed from chunk to chunk and from rank to rank while "

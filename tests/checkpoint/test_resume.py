@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from gdn_parallel.checkpoint import latest_checkpoint, resolve_resume
-from gdn_parallel.checkpoint.files import COMPLETE, TRAINER_STATE
 from gdn_parallel.checkpoint import loading as checkpoint_loading
+from gdn_parallel.checkpoint.files import COMPLETE, TRAINER_STATE
 from gdn_parallel.config import ConfigError
 from gdn_parallel.train.__main__ import run
 

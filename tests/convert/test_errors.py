@@ -4,8 +4,8 @@ unknown formats, incomplete checkpoints, existing outputs."""
 import dataclasses
 import json
 import random
-import struct
 import shutil
+import struct
 import sys
 
 import pytest

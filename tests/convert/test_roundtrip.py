@@ -7,12 +7,12 @@ import shutil
 import torch
 
 from gdn_parallel.checkpoint import read_trainer_state
+from gdn_parallel.config import Config
 from gdn_parallel.convert import model_from_hf
 from gdn_parallel.convert.__main__ import main
 from gdn_parallel.convert.commands import read_torch_file
 from gdn_parallel.convert.hf_format import EMBEDDED
 from gdn_parallel.convert.safetensors_io import INDEX_FILE, SINGLE_FILE, read_file, read_folder
-from gdn_parallel.config import Config
 from gdn_parallel.model import HybridLM
 
 from .conftest import all_tensors, assert_same_tensors

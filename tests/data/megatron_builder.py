@@ -1,6 +1,6 @@
 """Megatron-LM indexed datasets written by megatron-core's own IndexedDatasetBuilder (the tests that
 use it skip where megatron-core is not installed: pip install -e ".[megatron]")."""
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ def write_megatron(prefix, documents: Sequence[Sequence[Sequence[int]]], dtype=n
 
 
 def random_megatron_documents(count: int, seed: int, high: int = 256,
-                              longest: int = 60) -> List[List[List[int]]]:
+                              longest: int = 60) -> list[list[list[int]]]:
     """`count` documents of one to three sequences of random ids below `high`."""
     gen = torch.Generator().manual_seed(seed)
     documents = []
@@ -32,7 +32,7 @@ def random_megatron_documents(count: int, seed: int, high: int = 256,
     return documents
 
 
-def joined(documents) -> List[List[int]]:
+def joined(documents) -> list[list[int]]:
     """Each document's tokens: its sequences back to back (empty documents left out, as we read them)."""
     flat = [[token for sequence in sequences for token in sequence] for sequences in documents]
     return [tokens for tokens in flat if tokens]

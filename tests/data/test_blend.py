@@ -174,8 +174,8 @@ def test_blend_sources_are_named_in_errors_and_validation_gaps_are_said(tmp_path
 
 
 def test_sources_of_different_tokenizers_are_refused(tmp_path):
-    from tools.prepare_data import main as prepare_data
     from gdn_parallel.data.prepared import METADATA_FILE
+    from tools.prepare_data import main as prepare_data
     texts = write_texts(tmp_path / "texts", 4, "word")
     out = tmp_path / "prepared"
     assert prepare_data([texts, "--out", str(out), "--progress", "off"]) == 0
@@ -191,6 +191,7 @@ def test_training_on_a_blend_resumes_exactly(tmp_path):
     """The trainer saves the blend's position with the checkpoint: steps 2-3 resumed from step 2 are
     the uninterrupted run's (the same losses)."""
     import shutil
+
     from gdn_parallel.train.trainer import run_training
     sources = [write_texts(tmp_path / "short", 20, "short"),
                write_texts(tmp_path / "long", 8, "longer words")]

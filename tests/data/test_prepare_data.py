@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
+import tools.prepare_data as tool
 from gdn_parallel.config import DataConfig
 from gdn_parallel.data import load_corpus, load_dataset
 from gdn_parallel.data.prepared import METADATA_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKEN_BYTES_FILE, TOKENS_FILE
-import tools.prepare_data as tool
 from tests.data.test_sources import write_tree
 
 TEXTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(30)]

@@ -3,6 +3,7 @@ gradient, on fresh random inputs. On CPU the kernels run in Triton's interpreter
 shapes); the bf16 checks at long sequences live in tools/check_kernels_gpu.py and the gpu tests."""
 import zlib
 
+import gdn_kernels.gated_delta_rule as gdn_triton  # noqa: E402  (after helpers: needs triton)
 import pytest
 import torch
 
@@ -10,8 +11,6 @@ from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
 from tests.kernels.helpers import device, gpu_only, rel_err
 from tests.ops.gdn_inputs import gdn_inputs
 from tests.seeds import generator
-
-import gdn_kernels.gated_delta_rule as gdn_triton  # noqa: E402  (after helpers: needs triton)
 
 
 def run(inputs, impl, dtype, cu_seqlens=None, with_state=True):

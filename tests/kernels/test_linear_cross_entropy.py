@@ -3,18 +3,17 @@ full logits: loss and both gradients, chunked and vocab-parallel, and the model'
 against its default criterion (single process, and tensor parallel with and without SP)."""
 import dataclasses
 
+import gdn_kernels.linear_cross_entropy as lce  # noqa: E402  (after helpers: skips without triton)
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gdn_parallel.config import IGNORE_INDEX  # noqa: E402
+from gdn_parallel.ops.cross_entropy import linear_cross_entropy  # noqa: E402
 from tests.compare import assert_close_set
 from tests.kernels.helpers import device, gpu_only, rel_err
 from tests.seeds import generator, seed_torch
-
-import gdn_kernels.linear_cross_entropy as lce  # noqa: E402  (after helpers: skips without triton)
-from gdn_parallel.config import IGNORE_INDEX  # noqa: E402
-from gdn_parallel.ops.cross_entropy import linear_cross_entropy  # noqa: E402
 
 GRAD_SCALE = 2.5  # backward with a grad_output other than 1: the stored gradients are scaled
 

@@ -7,12 +7,11 @@ import math
 
 import pytest
 import torch
-
-from tests.kernels.helpers import device, gpu_only, rel_err
-
 from gdn_kernels.norms import triton_l2_normalize, triton_rms_norm  # after helpers skips without triton
+
 from gdn_parallel.model.norm import GatedRMSNorm, rms_norm
 from gdn_parallel.ops.gated_delta_rule import l2_normalize
+from tests.kernels.helpers import device, gpu_only, rel_err
 from tests.seeds import generator
 
 EPS = 1e-6

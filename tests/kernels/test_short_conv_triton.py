@@ -28,7 +28,8 @@ CASES = [  # (B, T, D, W, cu_seqlens, bias, prefix, activation)
 
 def _inputs(B, T, D, W, with_bias, with_prefix, dtype, seed=0):
     g = generator(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype).requires_grad_()
+    def mk(*s):
+        return torch.randn(*s, generator=g).to(device, dtype).requires_grad_()
     x, w = mk(B, T, D), mk(D, W)
     return x, w, mk(D) if with_bias else None, mk(B, W - 1, D) if with_prefix else None
 

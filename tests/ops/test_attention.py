@@ -17,7 +17,8 @@ LAYOUTS = {  # name: (B, H, HKV, D, Dv, cu_seqlens)
 def _qkv(layout, seed, dtype=torch.float64, grad=False):
     B, H, HKV, D, Dv, cu = LAYOUTS[layout]
     g = generator(seed)
-    mk = lambda *s: torch.randn(*s, generator=g, dtype=dtype).requires_grad_(grad)
+    def mk(*s):
+        return torch.randn(*s, generator=g, dtype=dtype).requires_grad_(grad)
     cu = None if cu is None else torch.tensor(cu)
     return mk(B, T, H, D), mk(B, T, HKV, D), mk(B, T, HKV, Dv), cu
 

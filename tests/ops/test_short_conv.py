@@ -9,7 +9,8 @@ from tests.seeds import generator
 
 def _inputs(B, T, D, W, seed, with_bias=True, with_prefix=False):
     g = generator(seed)
-    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+    def mk(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
     return (mk(B, T, D), mk(D, W), mk(D) if with_bias else None, mk(B, W - 1, D) if with_prefix else None)
 
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
 from gdn_parallel.comm import CPContext
+from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
 from tests.compare import assert_close_set
 from tests.ops.gdn_inputs import gdn_inputs
 from tests.parallel.launcher import run_workers
@@ -64,7 +64,7 @@ def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size, 
 
 
 def all_cases(rank, world, algorithm):
-    for i, (name, cu) in enumerate(CASES.items()):
+    for i, cu in enumerate(CASES.values()):
         H, HV = (2, 4) if i % 2 else (2, 2)          # grouped value heads in every other case
         check_case(rank, world, cu, algorithm, torch.float64, H, HV, 1e-9, seed=i, chunk_size=8)
     # fp32 at the product tolerance

@@ -10,8 +10,8 @@ from gdn_parallel.config import ModelConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
 from tests.compare import assert_close_set, rel_err
-from tests.parallel.launcher import run_workers
 from tests.parallel.batches import make_batch
+from tests.parallel.launcher import run_workers
 from tests.seeds import seed_torch
 
 TOTAL = 48

@@ -15,8 +15,8 @@ from gdn_parallel.parallel.batch import cp_loss, shard_batch
 from gdn_parallel.parallel.data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from gdn_parallel.parallel.mesh import build_mesh
 from tests.compare import assert_close_set, rel_err
-from tests.parallel.launcher import run_workers
 from tests.parallel.batches import make_batch
+from tests.parallel.launcher import run_workers
 from tests.seeds import generator, seed_torch
 
 TOTAL = 48

@@ -12,8 +12,8 @@ from gdn_parallel.parallel.mesh import build_mesh
 from gdn_parallel.parallel.parallelize import parallelize
 from gdn_parallel.parallel.tensor import full_tensor
 from tests.compare import assert_close_set, rel_err
-from tests.parallel.launcher import run_workers
 from tests.parallel.batches import make_batch
+from tests.parallel.launcher import run_workers
 from tests.seeds import seed_torch, seeded
 from tests.verify.helpers import LAYOUTS
 
@@ -103,7 +103,8 @@ def test_eight_process_layout_matches_single_process(name):
 def check_fsdp_bf16_autocast(rank, world):
     """bf16 autocast over several microbatches under FSDP2 equals one device under the same
     autocast up to bf16 rounding (a cached weight cast once lost most of the gradient: error 0.76)."""
-    from tests.verify.helpers import norm_err, packed_row, single_device_loss as _single_device_loss
+    from tests.verify.helpers import norm_err, packed_row
+    from tests.verify.helpers import single_device_loss as _single_device_loss
 
     config = ParallelConfig(dp=2)
     dims = build_mesh(config, "cpu")

@@ -14,8 +14,14 @@ from gdn_parallel.data.packing import PackedBatch
 from gdn_parallel.model import HybridLM
 from gdn_parallel.ops.rope import positions_from_cu_seqlens
 from gdn_parallel.parallel.batch import all_reduce_gradients, shard_batch
-from gdn_parallel.parallel.pipeline import (PipelineRunner, StageModule, build_pipeline,
-                                            stage_costs, stage_ids_for_rank, stage_layer_ranges)
+from gdn_parallel.parallel.pipeline import (
+    PipelineRunner,
+    StageModule,
+    build_pipeline,
+    stage_costs,
+    stage_ids_for_rank,
+    stage_layer_ranges,
+)
 from gdn_parallel.parallel.tensor import apply_tensor_parallel, full_tensor, reduce_tp_partial_grads
 from tests.compare import assert_close_set, rel_err
 from tests.parallel.launcher import run_workers

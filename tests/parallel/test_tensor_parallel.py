@@ -11,12 +11,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
-from gdn_parallel.parallel.tensor import (apply_tensor_parallel, full_tensor, reduce_tp_partial_grads,
-                                          sequence_shard)
+from gdn_parallel.parallel.tensor import (
+    apply_tensor_parallel,
+    full_tensor,
+    reduce_tp_partial_grads,
+    sequence_shard,
+)
 from gdn_parallel.parallel.tensor_collectives import vocab_parallel_cross_entropy
 from tests.compare import assert_close_set, rel_err
-from tests.parallel.launcher import run_workers
 from tests.parallel.batches import make_batch
+from tests.parallel.launcher import run_workers
 from tests.seeds import generator, seed_torch
 
 TOTAL = 48

@@ -14,9 +14,17 @@ import torch.distributed as dist
 
 from gdn_parallel.config import ConfigError
 from gdn_parallel.runtime import launch_env
-from gdn_parallel.runtime.launch_env import (GroupJoinError, LaunchEnv, LaunchEnvError, detect_launch_env,
-                                           expand_hostlist, export_launch_env, init_distributed,
-                                           parse_tasks_per_node, strip_launcher_args)
+from gdn_parallel.runtime.launch_env import (
+    GroupJoinError,
+    LaunchEnv,
+    LaunchEnvError,
+    detect_launch_env,
+    expand_hostlist,
+    export_launch_env,
+    init_distributed,
+    parse_tasks_per_node,
+    strip_launcher_args,
+)
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29600", "TORCHELASTIC_RUN_ID": "none"}

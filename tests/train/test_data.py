@@ -4,8 +4,14 @@ import torch
 
 from gdn_parallel.config import DataConfig
 from gdn_parallel.data.corpus import load_corpus, split_fraction
-from gdn_parallel.data.packing import (IGNORE_INDEX, PackedBatch, document_stream, num_label_tokens,
-                                       pack_pieces, packed_batches)
+from gdn_parallel.data.packing import (
+    IGNORE_INDEX,
+    PackedBatch,
+    document_stream,
+    num_label_tokens,
+    pack_pieces,
+    packed_batches,
+)
 from tests.seeds import generator
 
 

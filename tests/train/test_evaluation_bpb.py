@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdn_parallel.config import DataConfig, IGNORE_INDEX
+from gdn_parallel.config import IGNORE_INDEX, DataConfig
 from gdn_parallel.convert import model_from_checkpoint
 from gdn_parallel.data import Documents, load_dataset
 from gdn_parallel.data.prepared import METADATA_FILE, TOKEN_BYTES_FILE

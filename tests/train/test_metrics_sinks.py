@@ -5,8 +5,16 @@ from pathlib import Path
 import pytest
 
 from gdn_parallel.config import ConfigError, LogConfig
-from gdn_parallel.train.metrics_sinks import (GROUPED_TAGS, UNGROUPED, WANDB_VARIABLES, JsonlSink, grouped,
-                                              grouped_tag, sinks_from_config, wandb_init_arguments)
+from gdn_parallel.train.metrics_sinks import (
+    GROUPED_TAGS,
+    UNGROUPED,
+    WANDB_VARIABLES,
+    JsonlSink,
+    grouped,
+    grouped_tag,
+    sinks_from_config,
+    wandb_init_arguments,
+)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 GROUPS = ("train/", "eval/", "perf/", "run/", "summary")

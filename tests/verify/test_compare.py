@@ -5,8 +5,19 @@ import pytest
 import torch
 
 from gdn_parallel.verify.batches import LAYOUT_KINDS, document_boundaries, replica_share, verification_batch
-from gdn_parallel.verify.compare import (BF16_RATIO, NOISE_EPS, QUANTITIES, REFERENCE_EPS, Criteria, measure_steps,
-                                         merge_rank_diffs, relative_error, scalar_error, set_error, tensor_diff)
+from gdn_parallel.verify.compare import (
+    BF16_RATIO,
+    NOISE_EPS,
+    QUANTITIES,
+    REFERENCE_EPS,
+    Criteria,
+    measure_steps,
+    merge_rank_diffs,
+    relative_error,
+    scalar_error,
+    set_error,
+    tensor_diff,
+)
 
 
 def test_relative_error_is_the_norm_of_the_difference_over_the_norm_of_the_reference():

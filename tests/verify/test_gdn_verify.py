@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from gdn_parallel.verify.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,8 +3,18 @@
 import pytest
 
 from gdn_parallel.config import Config, ModelConfig
-from gdn_parallel.verify.layouts import (DIMS, Layout, LayoutError, base_layouts, default_layouts, factorisations,
-                                         layouts_to_run, parse_layout, parse_layouts, unsupported_reason)
+from gdn_parallel.verify.layouts import (
+    DIMS,
+    Layout,
+    LayoutError,
+    base_layouts,
+    default_layouts,
+    factorisations,
+    layouts_to_run,
+    parse_layout,
+    parse_layouts,
+    unsupported_reason,
+)
 from tests.verify.helpers import LAYOUTS, OLD_NAMES
 
 TINY = Config.from_yaml("configs/tiny-cpu.yaml").model

@@ -10,18 +10,25 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Optional, Tuple
 
 from .damage import CORRUPTIONS
 from .processes import Finished, Workspace, run, shell_line, train_argv
-from .reading import (ERROR_PREFIX, damage_of, final_checkpoint_ok, raw_tracebacks, refusal_line,
-                      refused_in_one_line, resume_report, stderr_lines)
+from .reading import (
+    ERROR_PREFIX,
+    damage_of,
+    final_checkpoint_ok,
+    raw_tracebacks,
+    refusal_line,
+    refused_in_one_line,
+    resume_report,
+    stderr_lines,
+)
 
 CORRUPT_STEPS, CORRUPT_INTERVAL = 4, 2   # checkpoints step_2 and step_4; resumes go on to RESUME_STEPS
 RESUME_STEPS = 6
 
 
-def base_runs(workspace: Workspace) -> Dict[str, Path]:
+def base_runs(workspace: Workspace) -> dict[str, Path]:
     """Finished runs with checkpoints step_2 and step_4: one process, and torchrun dp=2 (two data and
     two RNG files); trials copy them."""
     bases = {}
@@ -38,7 +45,7 @@ def base_runs(workspace: Workspace) -> Dict[str, Path]:
 
 
 def judge_auto(finished: Finished, out_dir: Path, none_verify: bool, damaged_names: set, steps: int
-               ) -> Tuple[str, bool, bool, bool]:
+               ) -> tuple[str, bool, bool, bool]:
     """(outcome, as expected, silent corrupt resume, lost) of a `--resume auto` after the damage of
     out_dir's step_4 (and step_2 too when none_verify)."""
     damaged, older = out_dir / "checkpoints" / "step_4", out_dir / "checkpoints" / "step_2"
@@ -72,14 +79,14 @@ def judge_auto(finished: Finished, out_dir: Path, none_verify: bool, damaged_nam
             lost)
 
 
-def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: Dict[str, Path], seed: int) -> dict:
+def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, Path], seed: int) -> dict:
     damage, one_process_only = CORRUPTIONS[kind]
     base_name = "1 process" if one_process_only or index % 2 == 0 else "dp=2"
     none_verify = index % 5 == 4          # 2 of 10: the older checkpoint damaged too
     trial_dir = workspace.directory(f"corrupt_{kind}_{index}")
     marker = trial_dir / "code-ran"
 
-    def damaged_copy(name: str) -> Tuple[Path, dict]:
+    def damaged_copy(name: str) -> tuple[Path, dict]:
         out_dir = trial_dir / name
         shutil.copytree(bases[base_name], out_dir)
         rng = random.Random(f"{seed}:corrupt:{kind}:{index}")   # the same damage in every copy
@@ -107,7 +114,7 @@ def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: Dict[str, 
     auto_outcome, auto_ok, auto_silent, lost = judge_auto(auto, out_dir, none_verify, damaged_names, RESUME_STEPS)
     raw = raw_tracebacks(explicit) + raw_tracebacks(auto)
 
-    same_steps: Optional[dict] = None
+    same_steps: dict | None = None
     if index == 0:   # the finished run's own command: train.steps = the damaged checkpoint's step
         again_dir, _ = damaged_copy("same_steps")
         again = run(workspace, train_argv(workspace, again_dir, CORRUPT_STEPS, resume="auto"), trial_dir / "same")

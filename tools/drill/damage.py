@@ -7,8 +7,8 @@ import os
 import pickle
 import random
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ class Gadget:
         return self.function, self.arguments
 
 
-def gadget(rng: random.Random, marker: Path) -> Tuple[str, Gadget]:
+def gadget(rng: random.Random, marker: Path) -> tuple[str, Gadget]:
     """One of several ways a pickle runs code; each creates `marker`."""
     choices = {
         "open": Gadget(open, (str(marker), "w")),
@@ -36,11 +36,11 @@ def gadget(rng: random.Random, marker: Path) -> Tuple[str, Gadget]:
     return name, choices[name]
 
 
-def data_files(checkpoint: Path) -> List[Path]:
+def data_files(checkpoint: Path) -> list[Path]:
     return sorted(checkpoint.glob("__*_*.distcp"))
 
 
-def rng_files(checkpoint: Path) -> List[Path]:
+def rng_files(checkpoint: Path) -> list[Path]:
     return sorted(checkpoint.glob("rng_rank*.pt"))
 
 
@@ -109,7 +109,7 @@ def plant_in_metadata(checkpoint: Path, rng: random.Random, marker: Path) -> dic
     return _sealed(checkpoint, ".metadata", name, where)
 
 
-def _planter(files: Callable[[Path], List[Path]], wrap: Callable[[Gadget], object], wrapped: str):
+def _planter(files: Callable[[Path], list[Path]], wrap: Callable[[Gadget], object], wrapped: str):
     """A damage that replaces one of `files` by the gadget: in torch.save's format (`wrap` puts it
     where torch.save's reader would meet it) or as a plain pickle, half the time each."""
     def plant(checkpoint: Path, rng: random.Random, marker: Path) -> dict:
@@ -126,7 +126,7 @@ def _planter(files: Callable[[Path], List[Path]], wrap: Callable[[Gadget], objec
 
 
 # kind -> (damage(checkpoint, rng, marker) -> what was done, runs only on a one-process base)
-CORRUPTIONS: Dict[str, Tuple[Callable[[Path, random.Random, Path], dict], bool]] = {
+CORRUPTIONS: dict[str, tuple[Callable[[Path, random.Random, Path], dict], bool]] = {
     "flipped-bytes": (lambda c, r, m: flip_bytes(r.choice(data_files(c)), r), False),
     "zeroed-block": (lambda c, r, m: zero_block(r.choice(data_files(c)), r), False),
     "truncated-data": (lambda c, r, m: truncate(r.choice(data_files(c)), r), False),

@@ -8,13 +8,22 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Tuple
 
 from gdn_parallel.checkpoint import complete_checkpoints
 
 from .processes import Workspace, run, shell_line, train_argv
-from .reading import (damage_of, final_checkpoint_ok, metrics_intact, newest_complete, png_intact, raw_tracebacks,
-                      refusal_line, refused_in_one_line, resume_report, step_of)
+from .reading import (
+    damage_of,
+    final_checkpoint_ok,
+    metrics_intact,
+    newest_complete,
+    png_intact,
+    raw_tracebacks,
+    refusal_line,
+    refused_in_one_line,
+    resume_report,
+    step_of,
+)
 
 DISK_STEPS = 6
 # (checkpoints that fit, fraction of one more checkpoint also free, async save): the save that fails
@@ -22,7 +31,7 @@ DISK_STEPS = 6
 DISK_CASES = ((1, 0.3, False), (2, 0.5, True), (1, 0.8, False), (2, 0.2, False), (1, 0.6, True))
 
 
-def checkpoint_bytes(workspace: Workspace) -> Tuple[int, int]:
+def checkpoint_bytes(workspace: Workspace) -> tuple[int, int]:
     """(bytes of one checkpoint, bytes of the rest of out_dir) of a DISK_STEPS run, measured."""
     out_dir = workspace.directory("measure") / "run"
     argv = train_argv(workspace, out_dir, DISK_STEPS, ["checkpoint.interval=0"])
@@ -41,7 +50,7 @@ def _allocated(path: Path) -> int:
     return -(-path.stat().st_size // 4096) * 4096
 
 
-def disk_full_trial(workspace: Workspace, index: int, case: Tuple[int, float, bool], sizes: Tuple[int, int],
+def disk_full_trial(workspace: Workspace, index: int, case: tuple[int, float, bool], sizes: tuple[int, int],
                     seed: int) -> dict:
     fit, fraction, async_save = case
     checkpoint_size, rest = sizes

@@ -14,13 +14,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 from gdn_parallel.checkpoint import complete_checkpoints
 
 from .processes import RUN_LIMIT_S, Running, Workspace, kill_session, run, shell_line, train_argv, worker_pids
-from .reading import (damage_of, final_checkpoint_ok, newest_complete, raw_tracebacks,
-                      resume_report, step_of, summary_of, survivors_said)
+from .reading import (
+    damage_of,
+    final_checkpoint_ok,
+    newest_complete,
+    raw_tracebacks,
+    resume_report,
+    step_of,
+    summary_of,
+    survivors_said,
+)
 
 KILL_STEPS = 8
 
@@ -29,7 +36,7 @@ KILL_STEPS = 8
 class KillPlan:
     index: int
     procs: int
-    layout: Optional[str]       # "tp" / "dp" under torchrun
+    layout: str | None       # "tp" / "dp" under torchrun
     kill: str                   # process | job (torchrun and every worker) | worker (one rank)
     victim_rank: int
     interval: int
@@ -38,12 +45,12 @@ class KillPlan:
     target_step: int
     delay_fraction: float       # of the save's measured duration
 
-    def overrides(self) -> List[str]:
+    def overrides(self) -> list[str]:
         layout = [f"parallel.{self.layout}=2"] if self.layout else []
         return [*layout, f"checkpoint.interval={self.interval}", f"checkpoint.keep={self.keep}",
                 f"checkpoint.async_save={str(self.async_save).lower()}"]
 
-    def reference_key(self) -> Tuple:
+    def reference_key(self) -> tuple:
         return (self.procs, self.layout, self.async_save)
 
 
@@ -67,8 +74,8 @@ class SaveWatcher(threading.Thread):
     def __init__(self, out_dir: Path):
         super().__init__(daemon=True)
         self.root = out_dir / "checkpoints"
-        self.partial_seen: Dict[int, float] = {}
-        self.published_seen: Dict[int, float] = {}
+        self.partial_seen: dict[int, float] = {}
+        self.published_seen: dict[int, float] = {}
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -85,11 +92,11 @@ class SaveWatcher(threading.Thread):
                     seen.setdefault(int(match.group(1)), now)
             time.sleep(0.001)
 
-    def durations(self) -> List[float]:
+    def durations(self) -> list[float]:
         return [self.published_seen[s] - t for s, t in self.partial_seen.items() if s in self.published_seen]
 
 
-def reference_run(workspace: Workspace, key: Tuple, cache: Dict[Tuple, dict]) -> dict:
+def reference_run(workspace: Workspace, key: tuple, cache: dict[tuple, dict]) -> dict:
     """An uninterrupted run of a layout (checkpoint every step): its save durations and its summary."""
     if key in cache:
         return cache[key]
@@ -212,7 +219,7 @@ def run_part(workspace: Workspace, args) -> dict:
     plans += [plan_kill(args.runs + j, args.seed, 2) for j in range(args.runs_2proc)]
     if args.trial is not None:
         plans = [p for p in plans if p.index == args.trial]
-    references: Dict[Tuple, dict] = {}
+    references: dict[tuple, dict] = {}
     trials = []
     for plan in plans:
         reference = reference_run(workspace, plan.reference_key(), references)

@@ -11,9 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 # The tiny run: small enough that a process starts, trains and saves in seconds on 2 cores.
@@ -32,8 +32,8 @@ class Workspace:
     def __init__(self, data: str, keep: bool):
         self.root = Path(tempfile.mkdtemp(prefix="fault_drill_"))
         self.keep = keep
-        self.mounts: List[Path] = []
-        self.children: List[subprocess.Popen] = []
+        self.mounts: list[Path] = []
+        self.children: list[subprocess.Popen] = []
         self.data_source = "stdlib" if data == "stdlib" else str(self._write_corpus())
 
     def _write_corpus(self) -> Path:
@@ -102,7 +102,7 @@ def kill_session(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _parents() -> Dict[int, int]:
+def _parents() -> dict[int, int]:
     """{pid: parent pid} of every live process (Linux /proc)."""
     found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -113,9 +113,9 @@ def _parents() -> Dict[int, int]:
     return found
 
 
-def descendants(pid: int) -> List[int]:
+def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (Linux /proc)."""
-    children: Dict[int, List[int]] = {}
+    children: dict[int, list[int]] = {}
     for child, parent in _parents().items():
         children.setdefault(parent, []).append(child)
     found, todo = [], [pid]
@@ -126,7 +126,7 @@ def descendants(pid: int) -> List[int]:
     return found
 
 
-def worker_pids(agent_pid: int) -> Dict[int, int]:
+def worker_pids(agent_pid: int) -> dict[int, int]:
     """{rank: pid} of a torchrun agent's worker processes (Linux /proc)."""
     workers = {}
     for pid, parent in _parents().items():
@@ -150,7 +150,7 @@ _WORKER_TAG = re.compile(r"^\[default(\d+)\]:")
 _RANK_TAG = re.compile(r"^\[rank\d+\]: ?")
 
 
-def attributed(text: str) -> Iterable[Tuple[str, str]]:
+def attributed(text: str) -> Iterable[tuple[str, str]]:
     """(who, line): 'rank N' for a torchrun worker's tagged line, else 'launcher' (torchrun's agent,
     or the one process); without torchrun's `[defaultN]:` and torch's `[rankN]: ` tags."""
     for raw in text.splitlines():
@@ -162,8 +162,8 @@ def attributed(text: str) -> Iterable[Tuple[str, str]]:
 @dataclass
 class Finished:
     """One command of a trial, as it ended."""
-    argv: List[str]
-    status: Optional[int]        # None: still running at the limit (killed by the drill: a hang)
+    argv: list[str]
+    status: int | None        # None: still running at the limit (killed by the drill: a hang)
     stdout: str
     stderr: str
     wall_s: float
@@ -173,7 +173,7 @@ class Finished:
     def hung(self) -> bool:
         return self.status is None
 
-    def lines(self) -> List[str]:
+    def lines(self) -> list[str]:
         """stdout then stderr, each line without its rank tags."""
         return [line for _, line in attributed(self.stdout + "\n" + self.stderr)]
 
@@ -186,7 +186,7 @@ class Finished:
 
 
 def train_argv(workspace: Workspace, out_dir: Path, steps: int, overrides: Iterable[str] = (), procs: int = 1,
-               resume: Optional[str] = None, max_restarts: Optional[int] = None) -> List[str]:
+               resume: str | None = None, max_restarts: int | None = None) -> list[str]:
     """The trainer's command line: the tiny config under the drill's overrides, one process or torchrun."""
     settings = [*TINY, f"data.source={workspace.data_source}", f"train.out_dir={out_dir}", *overrides]
     if procs == 1:
@@ -211,7 +211,7 @@ def shell_line(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(word) for word in words)
 
 
-def _child_env() -> Dict[str, str]:
+def _child_env() -> dict[str, str]:
     # A drill started inside a launcher must not hand its rendezvous to the jobs it starts.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC_", "MASTER_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -222,7 +222,7 @@ def _child_env() -> Dict[str, str]:
 class Running:
     """A started command whose stdout and stderr go to files of the trial."""
 
-    def __init__(self, workspace: Workspace, argv: List[str], log_stem: Path):
+    def __init__(self, workspace: Workspace, argv: list[str], log_stem: Path):
         self.argv, self.started = argv, time.monotonic()
         self.stdout_path, self.stderr_path = log_stem.with_suffix(".out"), log_stem.with_suffix(".err")
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
@@ -238,7 +238,7 @@ class Running:
         """Wait for the end (at most limit_s from the start; then kill: a hang)."""
         remaining = max(0.0, limit_s - (time.monotonic() - self.started))
         try:
-            status: Optional[int] = self.process.wait(timeout=remaining)
+            status: int | None = self.process.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
             kill_session(self.process)
             status = None
@@ -246,7 +246,7 @@ class Running:
                         self.stderr_path.read_text(errors="replace"), time.monotonic() - self.started,
                         torchrun="torch.distributed.run" in self.argv)
 
-    def wait_for(self, condition: Callable[[], bool], limit_s: float, poll_s: float = 0.001) -> Optional[float]:
+    def wait_for(self, condition: Callable[[], bool], limit_s: float, poll_s: float = 0.001) -> float | None:
         """The time `condition` first held, or None when the process ended first or limit_s passed."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
@@ -258,5 +258,5 @@ class Running:
         return None
 
 
-def run(workspace: Workspace, argv: List[str], log_stem: Path, limit_s: float = RUN_LIMIT_S) -> Finished:
+def run(workspace: Workspace, argv: list[str], log_stem: Path, limit_s: float = RUN_LIMIT_S) -> Finished:
     return Running(workspace, argv, log_stem).finish(limit_s)

@@ -6,7 +6,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 from gdn_parallel.checkpoint import complete_checkpoints, integrity
 
@@ -29,18 +28,18 @@ PEER_LOST = re.compile(r"^gdn-train: error: rank (\d+): a collective with the ot
 class TracebackSeen:
     who: str
     exception: str
-    excluded: Optional[str] = None   # why it is not counted as raw
+    excluded: str | None = None   # why it is not counted as raw
 
     def record(self) -> dict:
         return {"who": self.who, "exception": self.exception[:300], "excluded": self.excluded}
 
 
-def tracebacks(finished: Finished, killed_on_purpose: bool) -> List[TracebackSeen]:
+def tracebacks(finished: Finished, killed_on_purpose: bool) -> list[TracebackSeen]:
     """Every traceback in a command's output, with the exception it ended in; torchrun's agent's own
     report of a worker the drill killed is marked excluded."""
-    seen: List[TracebackSeen] = []
+    seen: list[TracebackSeen] = []
     for stream in (finished.stdout, finished.stderr):
-        open_block: Dict[str, bool] = {}
+        open_block: dict[str, bool] = {}
         for who, line in attributed(stream):
             if TRACEBACK in line:
                 if open_block.get(who):
@@ -58,11 +57,11 @@ def tracebacks(finished: Finished, killed_on_purpose: bool) -> List[TracebackSee
     return seen
 
 
-def raw_tracebacks(finished: Finished, killed_on_purpose: bool = False) -> List[dict]:
+def raw_tracebacks(finished: Finished, killed_on_purpose: bool = False) -> list[dict]:
     return [t.record() for t in tracebacks(finished, killed_on_purpose) if t.excluded is None]
 
 
-def survivors_said(finished: Finished, ranks: List[int], restart: Optional[str] = None) -> Dict[str, dict]:
+def survivors_said(finished: Finished, ranks: list[int], restart: str | None = None) -> dict[str, dict]:
     """How each rank whose peer the drill killed ended, from a torchrun job's output: its stderr lines
     (tags removed), whether they are exactly the one `rank N: a collective ... failed` line (with the
     restart torchrun makes next, when `restart` is given), and its exit status from torchrun's summary
@@ -80,10 +79,10 @@ def survivors_said(finished: Finished, ranks: List[int], restart: Optional[str] 
 
 @dataclass
 class ResumeReport:
-    loaded: Optional[Path]            # the checkpoint the run said it resumed
-    step: Optional[int]
+    loaded: Path | None            # the checkpoint the run said it resumed
+    step: int | None
     afresh: bool                      # "no checkpoint yet: starting from step 0"
-    passed_over: List[Tuple[Path, str]]
+    passed_over: list[tuple[Path, str]]
 
 
 def resume_report(finished: Finished) -> ResumeReport:
@@ -98,11 +97,11 @@ def resume_report(finished: Finished) -> ResumeReport:
     return ResumeReport(loaded, step, afresh, passed)
 
 
-def stderr_lines(finished: Finished) -> List[str]:
+def stderr_lines(finished: Finished) -> list[str]:
     return [line for line in finished.stderr.splitlines() if line.strip()]
 
 
-def refusal_line(finished: Finished) -> Optional[str]:
+def refusal_line(finished: Finished) -> str | None:
     """The trainer's `gdn-train: error:` line (the last on stderr), else None."""
     lines = stderr_lines(finished)
     return lines[-1] if lines and lines[-1].startswith(ERROR_PREFIX) else None
@@ -113,7 +112,7 @@ def refused_in_one_line(finished: Finished) -> bool:
     return refusal_line(finished) is not None and len(stderr_lines(finished)) == 1
 
 
-def damage_of(checkpoint: Path) -> Optional[str]:
+def damage_of(checkpoint: Path) -> str | None:
     """What is wrong with a checkpoint against its checksums.json (None: it verifies)."""
     try:
         recorded = integrity.read_manifest(checkpoint)
@@ -129,12 +128,12 @@ def step_of(path: Path) -> int:
     return int(path.name.split("_")[1])
 
 
-def newest_complete(out_dir: Path) -> Optional[Path]:
+def newest_complete(out_dir: Path) -> Path | None:
     found = complete_checkpoints(str(out_dir))
     return found[-1] if found else None
 
 
-def final_checkpoint_ok(out_dir: Path, steps: int) -> Tuple[bool, str]:
+def final_checkpoint_ok(out_dir: Path, steps: int) -> tuple[bool, str]:
     final = out_dir / "checkpoints" / f"step_{steps}"
     if final not in complete_checkpoints(str(out_dir)):
         return False, f"{final} missing or incomplete"
@@ -142,7 +141,7 @@ def final_checkpoint_ok(out_dir: Path, steps: int) -> Tuple[bool, str]:
     return problem is None, problem or "verifies"
 
 
-def summary_of(out_dir: Path) -> Optional[dict]:
+def summary_of(out_dir: Path) -> dict | None:
     """The last run's summary record of metrics.jsonl (a line torn by a kill is skipped, as the
     trainer's own reader does)."""
     path = out_dir / "metrics.jsonl"
@@ -159,7 +158,7 @@ def summary_of(out_dir: Path) -> Optional[dict]:
     return found
 
 
-def metrics_intact(out_dir: Path) -> Tuple[bool, str]:
+def metrics_intact(out_dir: Path) -> tuple[bool, str]:
     path = out_dir / "metrics.jsonl"
     try:
         records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -170,7 +169,7 @@ def metrics_intact(out_dir: Path) -> Tuple[bool, str]:
     return True, f"{len(records)} records"
 
 
-def png_intact(path: Path) -> Tuple[bool, str]:
+def png_intact(path: Path) -> tuple[bool, str]:
     if not path.is_file():
         return False, f"{path.name} missing"
     data = path.read_bytes()

@@ -13,8 +13,16 @@ import time
 from gdn_parallel.checkpoint import complete_checkpoints
 
 from .processes import Running, Workspace, train_argv, worker_pids
-from .reading import (WORKER_FAILED, damage_of, final_checkpoint_ok, newest_complete, resume_report, step_of,
-                      survivors_said, tracebacks)
+from .reading import (
+    WORKER_FAILED,
+    damage_of,
+    final_checkpoint_ok,
+    newest_complete,
+    resume_report,
+    step_of,
+    survivors_said,
+    tracebacks,
+)
 
 RESTART_STEPS, RESTART_INTERVAL, RESTART_LIMIT_S = 120, 10, 240
 

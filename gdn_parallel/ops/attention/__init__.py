@@ -2,8 +2,6 @@
 public op. Single-device forms and the oracle in masked.py, the context-parallel form in cp.py."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ...comm import CPContext
@@ -14,8 +12,8 @@ __all__ = ["attention", "masked_attention", "attention_reference"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              window: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-              scale: Optional[float] = None, impl: str = "auto", cp: Optional[CPContext] = None) -> torch.Tensor:
+              window: int | None = None, cu_seqlens: torch.Tensor | None = None,
+              scale: float | None = None, impl: str = "auto", cp: CPContext | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window) attention over a row, q/k/v of the same length T.
 
     q [B, T, H, D], k [B, T, HKV, D], v [B, T, HKV, Dv] -> [B, T, H, Dv]. `window` is the number

@@ -15,8 +15,6 @@ Building the mask this way costs O(blocks^2) small tensor ops and no compilation
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
@@ -44,7 +42,7 @@ def _listed(tiles: torch.Tensor):
     return count[None, None], order[None, None]
 
 
-def tile_classes(q_index, k_index, q_doc, k_doc, window: Optional[int]):
+def tile_classes(q_index, k_index, q_doc, k_doc, window: int | None):
     """Boolean [nq, nk] tiles (partial, full) for the mask rule."""
     qi_lo, qi_hi, q_whole = _bounds(q_index)
     ki_lo, ki_hi, k_whole = _bounds(k_index)
@@ -62,7 +60,7 @@ def tile_classes(q_index, k_index, q_doc, k_doc, window: Optional[int]):
     return some & ~every, every
 
 
-def block_mask(mask_mod, q_index, k_index, q_doc, k_doc, window: Optional[int]) -> BlockMask:
+def block_mask(mask_mod, q_index, k_index, q_doc, k_doc, window: int | None) -> BlockMask:
     """The BlockMask of the rule for queries q_* [Tq] and keys k_* [Tk] (one for every batch row and head)."""
     partial, full = tile_classes(q_index, k_index, q_doc, k_doc, window)
     count, indices = _listed(partial)

@@ -7,10 +7,7 @@ does the most work under a contiguous split; a balanced layout is a later step).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from gdn_kernels.host_index import on_device
 
 from ...comm.context import CPContext
@@ -19,7 +16,7 @@ from ...comm.p2p import all_gather, tie
 from .masked import masked_attention
 
 
-def cp_attention(q, k, v, *, window: Optional[int], scale, impl: str, cp: CPContext) -> torch.Tensor:
+def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext) -> torch.Tensor:
     if q.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
     device = q.device

@@ -16,7 +16,6 @@ on CUDA so masked-out blocks are skipped; on CPU it runs the unfused eager path 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +144,7 @@ def _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale):
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_index: torch.Tensor,
                      k_index: torch.Tensor, q_doc: torch.Tensor, k_doc: torch.Tensor,
-                     window: Optional[int], scale: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
+                     window: int | None, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
     """Attention of q [B, Tq, H, D] over k [B, Tk, HKV, D], v [B, Tk, HKV, Dv] -> [B, Tq, H, Dv].
 
     q_index/k_index are global token indices, q_doc/k_doc document ids (1-D, shared by the batch);
@@ -194,15 +193,15 @@ def _row_indices(q, k, v, causal, window, cu_seqlens):
     return index, doc
 
 
-def row_attention(q, k, v, *, causal: bool, window: Optional[int], cu_seqlens: Optional[torch.Tensor],
-                  scale: Optional[float], impl: str) -> torch.Tensor:
+def row_attention(q, k, v, *, causal: bool, window: int | None, cu_seqlens: torch.Tensor | None,
+                  scale: float | None, impl: str) -> torch.Tensor:
     """Single-device attention over a whole row (queries = keys); see `attention`."""
     index, doc = _row_indices(q, k, v, causal, window, cu_seqlens)
     return masked_attention(q, k, v, q_index=index, k_index=index, q_doc=doc, k_doc=doc,
                             window=window, scale=scale, impl=impl)
 
 
-def check_cp_call(q, k, v, causal: bool, window: Optional[int]) -> None:
+def check_cp_call(q, k, v, causal: bool, window: int | None) -> None:
     """The argument checks of `attention` that hold under context parallelism too."""
     _check_qkv(q, k, v)
     _check_window(window)
@@ -211,8 +210,8 @@ def check_cp_call(q, k, v, causal: bool, window: Optional[int]) -> None:
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        window: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                        scale: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
+                        window: int | None = None, cu_seqlens: torch.Tensor | None = None,
+                        scale: float | None = None, impl: str = "auto") -> torch.Tensor:
     """Dense float64 oracle of `attention` for tests (mask built by a loop; `impl` is ignored)."""
     _row_indices(q, k, v, causal, window, cu_seqlens)
     B, T, H, D = q.shape

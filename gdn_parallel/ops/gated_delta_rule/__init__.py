@@ -3,10 +3,7 @@ form (`chunk`), on CUDA the Triton kernels (`triton`), and the context-parallel 
 docs/design.md §1-2."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from gdn_kernels.chunk_layout import build_layout
 
 from ...comm import CPContext
@@ -32,11 +29,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None,
-                     initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                     cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm: bool = False,
-                     impl: str = "auto", chunk_size: int = 64, cp: Optional[CPContext] = None,
-                     decay_params=None, beta_activation: Optional[str] = None):
+def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+                     impl: str = "auto", chunk_size: int = 64, cp: CPContext | None = None,
+                     decay_params=None, beta_activation: str | None = None):
     """Run the gated delta rule over [B, T] tokens (or one packed row of documents).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head j reads q/k head
@@ -116,7 +113,7 @@ def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state
                                **gates)
 
 
-def summarize_segment(k, v, g, beta, *, cu_seqlens: Optional[torch.Tensor] = None,
+def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
                       use_qk_l2norm: bool = False, chunk_size: int = 64):
     """Affine summary of a segment per sequence and value head: S_out = M @ S_in + S_loc.
 

@@ -12,10 +12,8 @@ once (`ChunkFactors`), which is also what context parallelism overlaps with the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
 from gdn_kernels.chunk_layout import ChunkLayout
 
 
@@ -106,7 +104,7 @@ def chunk_outputs(factors: ChunkFactors, chunk_states: torch.Tensor) -> torch.Te
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, layout: ChunkLayout,
-                           initial_state: Optional[torch.Tensor]):
+                           initial_state: torch.Tensor | None):
     """Flat packed inputs [total, HV, *] (q/k already expanded to HV heads).
 
     Returns (o [total, HV, V] in v's dtype, final states [N, HV, K, V] in the compute dtype).

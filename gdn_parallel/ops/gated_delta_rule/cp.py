@@ -17,10 +17,7 @@ the same run yields the summary and the outputs up to a correction linear in the
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from gdn_kernels.chunk_layout import build_layout
 
 from ...comm.context import CPContext, sequence_lengths
@@ -31,7 +28,7 @@ from .summary import fold_chunk_transitions
 
 
 def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
-                        initial_state: Optional[torch.Tensor], output_final_state: bool, impl: str = "chunk",
+                        initial_state: torch.Tensor | None, output_final_state: bool, impl: str = "chunk",
                         decay_params=None, beta_activation=None, use_qk_l2norm=False):
     """q, k: [1, L, HV, K] expanded to the value heads (impl "triton": [1, L, H, K], grouped heads are read
     in place); v [1, L, HV, V]; g, beta [1, L, HV] (this rank's shard).

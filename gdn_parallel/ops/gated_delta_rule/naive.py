@@ -7,12 +7,10 @@ by the caller. Computes in the promoted dtype of the inputs (tests use float64).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
-def naive_recurrence(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor]):
+def naive_recurrence(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | None):
     """q, k: [B, T, HV, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; state [B, HV, K, V].
 
     Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] in the compute dtype).

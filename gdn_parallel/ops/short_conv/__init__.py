@@ -5,8 +5,6 @@ public op. The single-device forms and the oracle are in local.py, the context-p
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ...comm import CPContext
@@ -17,10 +15,10 @@ from .local import causal_conv1d_naive, check_conv_args, resolve_impl
 __all__ = ["causal_conv1d", "causal_conv1d_naive"]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
-                  prefix: Optional[torch.Tensor] = None, impl: str = "auto",
-                  cp: Optional[CPContext] = None) -> torch.Tensor:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None,
+                  prefix: torch.Tensor | None = None, impl: str = "auto",
+                  cp: CPContext | None = None) -> torch.Tensor:
     """x [B, T, D], weight [D, W] -> y [B, T, D] in x's dtype (local.causal_conv1d: documents, prefix, impl).
 
     With `cp` (the row's context-parallel plan; give no `cu_seqlens` and no `prefix`) x is this rank's

@@ -9,11 +9,8 @@ before x[:, 0]). Later documents of the row started on this rank, so they never 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
-
 from gdn_kernels.host_index import on_device
 
 from ...config import CONV_IMPLS
@@ -68,13 +65,13 @@ def check_conv_args(x, weight, bias, activation, cu_seqlens, prefix):
     return check_cu_seqlens(cu_seqlens, B, T)
 
 
-def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return y if activation is None else F.silu(y)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
-                  prefix: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None,
+                  prefix: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
     """Vectorised causal depthwise conv on one device: x [B, T, D], weight [D, W] -> y [B, T, D]
     (x's dtype).
 
@@ -110,9 +107,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return _activate(y, activation)
 
 
-def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                        activation: Optional[str] = "silu", cu_seqlens: Optional[torch.Tensor] = None,
-                        prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None,
+                        prefix: torch.Tensor | None = None) -> torch.Tensor:
     """Token-loop oracle of `causal_conv1d` (slow; for tests)."""
     cu = check_conv_args(x, weight, bias, activation, cu_seqlens, prefix)
     B, T, D = x.shape
