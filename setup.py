@@ -31,22 +31,27 @@ setup(
               + ["gdn_kernels"]
               + [f"gdn_kernels.{name}" for name in find_namespace_packages("kernels", exclude=NOT_PACKAGES)]
               + ["gdn_parallel.configs", "gdn_parallel.launch"]),
-    package_dir={"gdn_kernels": "kernels", "gdn_parallel.configs": "configs", "gdn_parallel.launch": "launch"},
-    package_data={"gdn_parallel": ["py.typed"], "gdn_parallel.configs": ["*.yaml"], "gdn_parallel.launch": ["*"]},
+    package_dir={"gdn_kernels": "kernels", "gdn_parallel.configs": "configs",
+                 "gdn_parallel.launch": "launch"},
+    package_data={"gdn_parallel": ["py.typed"], "gdn_parallel.configs": ["*.yaml"],
+                  "gdn_parallel.launch": ["*"]},
     install_requires=[TORCH, "PyYAML>=6", "numpy"],
     extras_require={
         # triton: interpreter tests on CPU; setuptools: tests/test_packaging.py builds the wheel without
         # build isolation (70.1+ builds wheels without the separate `wheel` package)
         # tokenizers: the prepared-data tests with a real tokenizer
-        # transformers + flash-linear-attention: tests/convert loads our exports into fla's model (the base
-        # packages need only einops and transformers: no CUDA torch; fla-core's [cuda] extra is not asked for).
+        # transformers + flash-linear-attention: tests/convert loads our exports into fla's model
+        # (the base packages need only einops and transformers: no CUDA torch; fla-core's [cuda] extra
+        # is not asked for).
+        # ruff and mypy: tests/test_static_checks.py (pinned: new releases add findings to the same rules)
         # transformers < 5.24: 5.24 hands generate()'s cache to the model as `cache`, which fla 0.6.0 ignores
         # (each new token without the recurrent state: wrong tokens, no error; tests/convert/test_fla.py)
         "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers",
                 "transformers>=5.6.2,<5.24", "flash-linear-attention==0.6.0", "fla-core==0.6.0", SAFETENSORS,
-                MEGATRON],
+                MEGATRON, "ruff==0.17.6", "mypy==2.4.1"],
         "gpu": [TRITON],
-        "log": ["matplotlib", "tensorboard"],  # loss.png, gdn-plot; log.tensorboard (wandb: pip install wandb)
+        # loss.png, gdn-plot; log.tensorboard (wandb: pip install wandb)
+        "log": ["matplotlib", "tensorboard"],
         "data": ["tokenizers", "pyarrow"],      # gdn-prepare-data: --tokenizer FILE, Parquet inputs
         "launch": ["mpi4py"],                   # launch/mpirun.sh across nodes (the master address)
         "megatron": [MEGATRON],                 # megatron-core (its dataset builder; our reader needs none)

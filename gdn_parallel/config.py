@@ -2,8 +2,11 @@
 
 Invalid values fail here, before any model or process group exists, with a ConfigError that names
 `section.field`, shows the bad value and says how to fix it. Every field is checked: its type, then
-its range (the tables `*_RULES` below, one row per field with a numeric range), then the rules that
-tie fields together (`validate` methods).
+its range rule or its choices, then the rules that tie fields together (`validate` methods).
+
+Each field is declared with `setting(default, help, rule=..., choices=...)`: its help, range and
+choices live in the field's metadata, the one source of the validation errors, `gdn-train
+--print-config` and `gdn-train --help-config` (gdn_parallel/train/commented_config.py).
 """
 from __future__ import annotations
 
@@ -15,13 +18,12 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 # Facts the layers share, each kept once, here at the bottom of the package: the ops, the model, the
 # data and the trainers import them, and the config validates its fields against them.
-LAYER_SYMBOLS = {"G": "gated deltanet", "S": "sliding-window attention", "A": "full causal attention"}
 GDN_IMPLS = ("auto", "naive", "chunk", "triton")     # ops.gated_delta_rule
 ATTENTION_IMPLS = ("auto", "sdpa", "flex")           # ops.attention
 CONV_IMPLS = ("auto", "torch", "triton")             # ops.short_conv
@@ -36,6 +38,8 @@ PP_SCHEDULES = ("1f1b", "interleaved")
 LR_SCHEDULES = ("cosine", "wsd", "constant")     # train/schedule.py
 DECAY_SHAPES = ("1-sqrt", "linear")             # the wsd schedule's decay
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
+WANDB_MODES = ("offline", "online", "disabled")
+PROGRESS_BAR_MODES = ("auto", "on", "off")
 # A *short* convolution: the fused Triton conv unrolls all W taps per token and W^2 in its backward.
 # Measured on an H100 (T=8192, D=2048, bf16, forward+backward): W=4 compiles in 6 s and runs in
 # 1 ms, W=8 compiles in 41 s and runs 10x slower, W=16 did not compile within 150 s.
@@ -46,177 +50,119 @@ MAX_CONV_SIZE = 8
 RENAMED = {"parallel.microbatches": "set train.microbatch_size (sequences per forward/backward) instead; the "
                                     "micro-batches of a step, under pipeline parallelism too, are "
                                     "train.batch_size / train.microbatch_size",
-           "train.eval_batches": "set train.eval_rows (validation sequences per evaluation: one set, the same under "
-                                 "every layout) instead; eval_batches x batch_size is the number of rows one "
-                                 "process evaluated"}
-
-
-# Text fields whose choices include on and off: YAML reads a bare `off` (also `no`, `false`) as false.
-ON_OFF_FIELDS = frozenset({"log.progress_bar"})
+           "train.eval_batches": "set train.eval_rows (validation sequences per evaluation: one set, the "
+                                 "same under every layout) instead; eval_batches x batch_size is the number "
+                                 "of rows one process evaluated"}
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
-# A range rule: (field, test on the value, what the value must be, with the fix).
-Rule = tuple[str, Callable[[Any], bool], str]
+class Rule(NamedTuple):
+    """A field's range: `test` on its value (a null optional value is not tested) and what the value
+    must be; the error reads `section.field=value <requirement>: <the field's help>`."""
+    test: Callable[[Any], bool]
+    requirement: str
 
 
-def _at_least(low: int) -> Callable[[Any], bool]:
-    return lambda value: value >= low
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, rule: Rule | None = None,
+            choices: tuple = (), factory: Callable[[], Any] | None = None) -> Any:
+    """A config field (dataclasses.field) carrying its help, its range rule and its choices in its
+    metadata; `factory` instead of `default` for a mutable default."""
+    if not help.strip():  # the help is what --print-config, --help-config and the range errors say
+        raise TypeError("a config field needs its help: setting(default, help, ...)")
+    return field(default=default, default_factory=dataclasses.MISSING if factory is None else factory,
+                 metadata={"help": help, "rule": rule, "choices": tuple(choices)})
 
 
-def _finite_above(low: float) -> Callable[[Any], bool]:
-    return lambda value: math.isfinite(value) and value > low
+def _at_least(low: int, or_null: bool = False) -> Rule:
+    return Rule(lambda value: value >= low, f"must be >= {low}" + (" or null" if or_null else ""))
 
 
-def _finite_at_least(low: float) -> Callable[[Any], bool]:
-    return lambda value: math.isfinite(value) and value >= low
+def _number_above(low: float) -> Rule:
+    return Rule(lambda value: math.isfinite(value) and value > low, f"must be a number > {low:g}")
 
 
-def _half_open(low: float, high: float) -> Callable[[Any], bool]:
-    return lambda value: low <= value < high    # NaN fails every comparison
+def _number_at_least(low: float) -> Rule:
+    return Rule(lambda value: math.isfinite(value) and value >= low, f"must be a number >= {low:g}")
 
 
-def _optional(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda value: value is None or test(value)
+def _within(low: float, high: float, bounds: str = "[]", unit: str = "") -> Rule:
+    """`bounds`: '[]', '[)' or '(]', the interval's closed ('[', ']') and open ends."""
+    def test(value) -> bool:  # NaN fails every comparison
+        above = value >= low if bounds[0] == "[" else value > low
+        return above and (value <= high if bounds[1] == "]" else value < high)
+    what = f"a number of {unit} in" if unit else "in"
+    return Rule(test, f"must be {what} {bounds[0]}{low:g}, {high:g}{bounds[1]}")
 
 
 def _power_of_two(value: int) -> bool:
     return value >= 1 and value & (value - 1) == 0
 
 
-_SEED_RULE = (lambda value: -2 ** 63 <= value < 2 ** 64,
-              "must be an integer in [-2**63, 2**64) (what torch.manual_seed takes), e.g. 0")
-
-MODEL_RULES: tuple[Rule, ...] = (
-    ("vocab_size", _at_least(1), "must be >= 1: the number of token ids (256 for bytes)"),
-    ("hidden_size", _at_least(1), "must be >= 1: the model width, e.g. 128"),
-    ("n_layers", _at_least(1), "must be >= 1: the number of blocks"),
-    ("gdn_num_heads", _at_least(1), "must be >= 1: the number of GDN q/k heads"),
-    ("gdn_num_v_heads", _optional(_at_least(1)),
-     "must be >= 1 or null (null: as many as model.gdn_num_heads)"),
-    ("gdn_head_dim", _at_least(1), "must be >= 1: the GDN q/k head size, e.g. 128"),
-    ("gdn_expand_v", _finite_above(0.0),
-     "must be a number > 0: the GDN value head size is gdn_head_dim * gdn_expand_v, e.g. 2.0"),
-    ("gdn_chunk_size", _power_of_two,
-     "must be a power of two: the tokens per chunk of the chunked GDN algorithm, e.g. 64"),
-    ("conv_size", lambda value: 1 <= value <= MAX_CONV_SIZE,
-     f"must be in [1, {MAX_CONV_SIZE}]: the short-convolution width (the fused kernel unrolls every tap), "
-     f"e.g. 4"),
-    ("attn_num_heads", _at_least(1), "must be >= 1: the number of attention query heads"),
-    ("attn_num_kv_heads", _optional(_at_least(1)),
-     "must be >= 1 or null (null: as many as model.attn_num_heads)"),
-    ("attn_head_dim", _optional(_at_least(1)),
-     "must be >= 1 or null (null: model.hidden_size / model.attn_num_heads)"),
-    ("window_size", _at_least(1),
-     "must be >= 1: the keys a sliding-window query sees, itself included, e.g. 64"),
-    ("rope_theta", _finite_above(0.0), "must be a number > 0: the RoPE base, e.g. 10000.0"),
-    ("hidden_ratio", _finite_above(0.0),
-     "must be a number > 0: the MLP width over model.hidden_size, e.g. 4.0"),
-    ("intermediate_size", _optional(_at_least(1)),
-     "must be >= 1 or null (null: derived from model.hidden_ratio)"),
-    ("norm_eps", _finite_above(0.0), "must be a number > 0: the RMSNorm epsilon, e.g. 1e-6"),
-    ("initializer_range", _finite_above(0.0),
-     "must be a number > 0: the std of the initial weights, e.g. 0.02"),
-)
-
-DATA_RULES: tuple[Rule, ...] = (
-    ("source", lambda value: value == "" or bool(value.strip()),   # '': data.blend names the data
-     "must name the data: 'stdlib', a directory, a file or a glob of text files, a directory "
-     "written by gdn-prepare-data or a Megatron-LM indexed dataset prefix (path/name_text_document)"),
-    ("val_fraction", _half_open(0.0, 1.0),
-     "must be in [0, 1): the share of documents held out for validation, e.g. 0.02"),
-    ("seed", *_SEED_RULE),
-    ("text_suffixes", lambda value: DataConfig.parse_suffixes(value) is not None,
-     "must be file suffixes separated by commas, each a dot and a name, e.g. '.txt,.md,.py', or '*' "
-     "for every file"),
-)
-
-TRAIN_RULES: tuple[Rule, ...] = (
-    ("seq_len", _at_least(2),
-     "must be >= 2: a sequence needs an input token and the label after it, e.g. 256"),
-    ("batch_size", _at_least(1), "must be >= 1: sequences per optimizer step"),
-    ("microbatch_size", _at_least(0),
-     "must be >= 0: sequences per forward/backward, dividing train.batch_size (0: the whole batch)"),
-    ("steps", _at_least(1), "must be >= 1: optimizer updates"),
-    ("lr", _finite_above(0.0), "must be a number > 0: the peak learning rate, e.g. 3e-3"),
-    ("min_lr_ratio", lambda value: 0.0 <= value <= 1.0,
-     "must be in [0, 1]: the final learning rate over train.lr, e.g. 0.1"),
-    ("warmup_steps", _at_least(0), "must be >= 0: linear warmup updates (0: none)"),
-    ("decay_fraction", lambda value: 0.0 < value <= 1.0,
-     "must be in (0, 1]: the share of train.steps that train.lr_schedule=wsd decays over, at the end, e.g. 0.2"),
-    ("weight_decay", _finite_at_least(0.0), "must be a number >= 0 (0: no decay), e.g. 0.1"),
-    ("beta1", _half_open(0.0, 1.0), "must be in [0, 1): AdamW's first-moment decay, e.g. 0.9"),
-    ("beta2", _half_open(0.0, 1.0), "must be in [0, 1): AdamW's second-moment decay, e.g. 0.95"),
-    ("grad_clip", _finite_at_least(0.0),
-     "must be a number >= 0: the gradient-norm bound (0 turns clipping off), e.g. 1.0"),
-    ("seed", *_SEED_RULE),
-    ("log_every", _at_least(1), "must be >= 1: steps between progress lines"),
-    ("eval_every", _at_least(0), "must be >= 0: steps between evaluations (0: only at the end)"),
-    ("eval_rows", _at_least(1),
-     "must be >= 1: validation sequences of train.seq_len tokens per evaluation (the same set under any layout)"),
-    ("threads", _at_least(0), "must be >= 0: CPU threads for torch (0: torch's default)"),
-    ("peak_tflops", _finite_at_least(0.0),
-     "must be a number >= 0: one device's peak TFLOP/s for MFU (0: look it up)"),
-    ("max_skipped_steps", _at_least(1),
-     "must be >= 1: non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3"),
-    ("collective_timeout_s", lambda value: 1.0 <= value <= 86400.0,
-     "must be a number of seconds in [1, 86400]: how long a rank waits for its peers in one collective before "
-     "failing; keep it above the slowest first step (Triton compilation on CUDA: about 3 minutes), e.g. 600"),
-)
-
-CHECKPOINT_RULES: tuple[Rule, ...] = (
-    ("interval", _at_least(0), "must be >= 0: optimizer steps between checkpoints (0: only the last step)"),
-    ("keep", _at_least(0), "must be >= 0: the newest complete checkpoints kept (0: all)"),
-)
-
-PARALLEL_RULES: tuple[Rule, ...] = tuple(
-    (name, _at_least(1), f"must be >= 1: {what}") for name, what in (
-        ("tp", "the tensor-parallel degree (1: off)"), ("pp", "the pipeline-parallel degree (1: off)"),
-        ("cp", "the context-parallel degree (1: off)"), ("dp", "the data-parallel degree (1: off)"),
-        ("virtual_stages", "pipeline stages per pp rank (1 with the 1f1b schedule)")))
+_SEED_RULE = Rule(lambda value: -2 ** 63 <= value < 2 ** 64,
+                  "must be an integer in [-2**63, 2**64) (what torch.manual_seed takes)")
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
-    hidden_size: int = 128
-    n_layers: int = 4
-    # One symbol per layer (G = GatedDeltaNet, S = sliding-window attention, A = full attention);
-    # a shorter pattern is tiled when it divides n_layers.
-    layer_pattern: str = "GS"
-    # Gated DeltaNet (flash-linear-attention's names and defaults where they exist)
-    gdn_num_heads: int = 2
-    gdn_num_v_heads: int | None = None
-    gdn_head_dim: int = 32
-    gdn_expand_v: float = 2.0
-    gdn_use_gate: bool = True
-    gdn_allow_neg_eigval: bool = False
-    gdn_chunk_size: int = 64
-    gdn_impl: str = "auto"
-    conv_size: int = 4
-    conv_bias: bool = False
+    """The model: model.n_layers blocks of Gated DeltaNet and attention layers (model.layer_pattern),
+    each followed by a SwiGLU MLP; flash-linear-attention's names and defaults where they exist."""
+    vocab_size: int = setting(256, "the number of token ids (256 for bytes)", rule=_at_least(1))
+    hidden_size: int = setting(128, "the model width, e.g. 128", rule=_at_least(1))
+    n_layers: int = setting(4, "the number of blocks", rule=_at_least(1))
+    layer_pattern: str = setting(
+        "GS", "one symbol per layer: G (Gated DeltaNet), S (sliding-window attention), A (full causal "
+              "attention); a shorter pattern is tiled when its length divides model.n_layers")
+    # Gated DeltaNet (G layers)
+    gdn_num_heads: int = setting(2, "the number of GDN q/k heads", rule=_at_least(1))
+    gdn_num_v_heads: int | None = setting(
+        None, "the number of GDN value heads, a multiple of model.gdn_num_heads (null: as many)",
+        rule=_at_least(1, or_null=True))
+    gdn_head_dim: int = setting(32, "the GDN q/k head size, e.g. 128", rule=_at_least(1))
+    gdn_expand_v: float = setting(2.0, "the GDN value head size is gdn_head_dim * gdn_expand_v, e.g. 2.0",
+                                  rule=_number_above(0.0))
+    gdn_use_gate: bool = setting(True, "gate the GDN output (a SiLU gate from the layer input)")
+    gdn_allow_neg_eigval: bool = setting(
+        False, "beta in (0, 2) instead of (0, 1): the state transition may have negative eigenvalues")
+    gdn_chunk_size: int = setting(64, "the tokens per chunk of the chunked GDN algorithm, e.g. 64",
+                                  rule=Rule(_power_of_two, "must be a power of two"))
+    gdn_impl: str = setting("auto", "the GDN op: auto (the Triton kernels on CUDA, chunk elsewhere), naive "
+                                    "(token by token), chunk (chunked PyTorch) or triton", choices=GDN_IMPLS)
+    conv_size: int = setting(
+        4, "the short-convolution width (the fused kernel unrolls every tap), e.g. 4",
+        rule=_within(1, MAX_CONV_SIZE))
+    conv_bias: bool = setting(False, "a bias in the short convolutions")
     # attention (S and A layers)
-    attn_num_heads: int = 4
-    attn_num_kv_heads: int | None = None
-    attn_head_dim: int | None = None
-    window_size: int = 64
-    rope_theta: float = 10000.0
-    attn_output_gate: bool = False
-    attn_qkv_bias: bool = False
-    attn_impl: str = "auto"
-    # SwiGLU MLP; intermediate_size defaults to flash-linear-attention's rule
-    hidden_ratio: float = 4.0
-    intermediate_size: int | None = None
-    norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # lm_head + cross-entropy a chunk of tokens at a time (gdn_kernels.linear_cross_entropy): the
-    # [tokens, vocab] logits are never held at once. Logits are still returned without labels.
-    # null (the default): on where CUDA is available, off elsewhere.
-    fused_linear_cross_entropy: bool | None = None
+    attn_num_heads: int = setting(4, "the number of attention query heads", rule=_at_least(1))
+    attn_num_kv_heads: int | None = setting(
+        None, "the number of attention key/value heads, dividing model.attn_num_heads (null: as many)",
+        rule=_at_least(1, or_null=True))
+    attn_head_dim: int | None = setting(
+        None, "the attention head size, even for RoPE (null: model.hidden_size / model.attn_num_heads)",
+        rule=_at_least(1, or_null=True))
+    window_size: int = setting(64, "the keys a sliding-window query sees, itself included, e.g. 64",
+                               rule=_at_least(1))
+    rope_theta: float = setting(10000.0, "the RoPE base, e.g. 10000.0", rule=_number_above(0.0))
+    attn_output_gate: bool = setting(False, "gate the attention output (a sigmoid gate from the layer input)")
+    attn_qkv_bias: bool = setting(False, "biases in the attention q, k and v projections")
+    attn_impl: str = setting("auto", "the attention op: auto (flex on CUDA, sdpa elsewhere), sdpa or flex",
+                             choices=ATTENTION_IMPLS)
+    # SwiGLU MLP
+    hidden_ratio: float = setting(4.0, "the MLP width over model.hidden_size, e.g. 4.0",
+                                  rule=_number_above(0.0))
+    intermediate_size: int | None = setting(
+        None, "the MLP width (null: derived from model.hidden_ratio, flash-linear-attention's rule)",
+        rule=_at_least(1, or_null=True))
+    norm_eps: float = setting(1e-6, "the RMSNorm epsilon, e.g. 1e-6", rule=_number_above(0.0))
+    tie_word_embeddings: bool = setting(False, "the output layer shares the embedding's weights")
+    initializer_range: float = setting(0.02, "the std of the initial weights, e.g. 0.02",
+                                       rule=_number_above(0.0))
+    # The [tokens, vocab] logits are never held at once; the model still returns logits without labels.
+    fused_linear_cross_entropy: bool | None = setting(
+        None, "compute lm_head + cross-entropy a chunk of tokens at a time "
+              "(gdn_kernels.linear_cross_entropy) (null: on where CUDA is available, off elsewhere)")
 
     @property
     def layer_types(self) -> str:
@@ -249,14 +195,10 @@ class ModelConfig:
         return 256 * ((width + 255) // 256)
 
     def validate(self) -> None:
-        _check_fields(self, "model", MODEL_RULES)
+        _check_fields(self, "model")
         if not self.layer_pattern:
             raise ConfigError("model.layer_pattern='' is empty: give one symbol per layer, e.g. 'GS'")
-        unknown = sorted(set(self.layer_pattern) - set(LAYER_SYMBOLS))
-        if unknown:
-            raise ConfigError(
-                f"model.layer_pattern={self.layer_pattern!r} has unknown layer symbol(s) {unknown}; "
-                f"use {', '.join(f'{k} ({v})' for k, v in LAYER_SYMBOLS.items())}")
+        # Which symbols exist is the model layer's registry (model/mixers.py: check_layers).
         if len(self.layer_pattern) != self.n_layers and self.n_layers % len(self.layer_pattern):
             raise ConfigError(
                 f"model.layer_pattern={self.layer_pattern!r} (length {len(self.layer_pattern)}) neither "
@@ -298,45 +240,51 @@ class ModelConfig:
             raise ConfigError(f"model.hidden_ratio={self.hidden_ratio} gives an MLP width of 0 at "
                               f"model.hidden_size={self.hidden_size}; raise it or set "
                               f"model.intermediate_size")
-        _check_choice(self, "model", "gdn_impl", GDN_IMPLS)
-        _check_choice(self, "model", "attn_impl", ATTENTION_IMPLS)
 
 
 @dataclass
 class DataConfig:
-    # "stdlib": the bytes of this Python's standard-library sources (no download), byte vocabulary;
-    # a directory, file or glob of text files read the same way; or a directory of token ids written
-    # by gdn-prepare-data (recognised by its metadata file); or a Megatron-LM indexed dataset,
-    # named by its prefix (path/name_text_document for .bin + .idx). '' when data.blend names the data.
-    source: str = "stdlib"
-    # Several sources read by weight: [[weight, source], ...], each source anything data.source takes;
-    # source s gets weight_s / sum(weights) of the tokens (gdn_parallel/data/blend.py).
-    blend: list = field(default_factory=list)
-    val_fraction: float = 0.02
-    seed: int = 0
-    # The files a directory source reads (case-insensitive; '*': all). Prose and Python by default:
-    # structured records (.json, .jsonl, .csv, .html) would train on their syntax, so their text goes
-    # through gdn-prepare-data (--text-key). Binary files (NUL bytes, not UTF-8) are always skipped.
-    text_suffixes: str = ".txt,.md,.rst,.tex,.py"
-    # documents: each document its own sequence (cu_seqlens); concatenate: one stream per row, attention
-    # and labels crossing documents.
-    packing: str = "documents"
-
+    """The training text: where it comes from, which part is held out for validation and how documents
+    fill the rows of a batch."""
+    source: str = setting(
+        "stdlib", "'stdlib' (this Python's standard-library sources: no download, byte vocabulary), a "
+                  "directory, a file or a glob of text files, a directory written by gdn-prepare-data or a "
+                  "Megatron-LM indexed dataset prefix (path/name_text_document); '' when data.blend names "
+                  "the data",
+        rule=Rule(lambda value: value == "" or bool(value.strip()), "must name the data"))
+    blend: list = setting(
+        factory=list, help="several sources read by weight, [[weight, source], ...], each source anything "
+                           "data.source takes: source s gets weight_s / sum(weights) of the tokens")
+    val_fraction: float = setting(0.02, "the share of documents held out for validation, e.g. 0.02",
+                                  rule=_within(0, 1, "[)"))
+    seed: int = setting(0, "the seed of the order the training documents are read in, e.g. 0",
+                        rule=_SEED_RULE)
+    # Prose and Python by default: structured records (.json, .jsonl, .csv, .html) would train on their
+    # syntax, so their text goes through gdn-prepare-data (--text-key).
+    text_suffixes: str = setting(
+        ".txt,.md,.rst,.tex,.py", "the files a directory source reads (case-insensitive), e.g. "
+                                  "'.txt,.md,.py', or '*' for every file; binary files (NUL bytes, not "
+                                  "UTF-8) are always skipped",
+        rule=Rule(lambda value: DataConfig.parse_suffixes(value) is not None,
+                  "must be file suffixes separated by commas, each a dot and a name, or '*'"))
     PACKING_MODES = ("documents", "concatenate")   # not a field (no annotation)
+    packing: str = setting(
+        "documents", "documents: each document its own sequence (cu_seqlens), sequences end at document "
+                     "boundaries; concatenate: one stream per row, attention and labels run across them",
+        choices=PACKING_MODES)
 
     def validate(self) -> None:
         # Whether the source yields documents is checked when it is read (gdn_parallel.data), still
         # before the model exists: listing a large corpus twice would slow every start.
-        _check_fields(self, "data", DATA_RULES)
-        _check_choice(self, "data", "packing", self.PACKING_MODES,
-                      "(documents: sequences end at document boundaries; concatenate: they run across them)")
+        _check_fields(self, "data")
         self._check_blend()
 
     def _check_blend(self) -> None:
         """data.blend's pairs (weights made floats), and that it and data.source name the data once."""
         example = "e.g. [[0.7, data/web_text_document], [0.3, stdlib]]"
         if not isinstance(self.blend, list):
-            raise ConfigError(f"data.blend={self.blend!r} must be a list of [weight, source] pairs, {example}")
+            raise ConfigError(f"data.blend={self.blend!r} must be a list of [weight, source] pairs, "
+                              f"{example}")
         pairs = []
         for index, pair in enumerate(self.blend):
             weight, source = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
@@ -353,16 +301,15 @@ class DataConfig:
                               f"data.source='' (--set \"data.source=''\") to train on the blend, or "
                               f"data.blend=[] to train on data.source")
         if not self.blend and not self.source:
-            raise ConfigError("data.source='' names no data: give 'stdlib', text files, a prepared dataset or a "
-                              "Megatron-LM prefix, or list weighted sources in data.blend")
+            raise ConfigError("data.source='' names no data: give 'stdlib', text files, a prepared dataset "
+                              "or a Megatron-LM prefix, or list weighted sources in data.blend")
 
     @property
     def suffixes(self) -> tuple[str, ...]:
         """data.text_suffixes as lower-case suffixes; () means every file."""
         parsed = self.parse_suffixes(self.text_suffixes)
         if parsed is None:
-            rule = next(text for name, _, text in DATA_RULES if name == "text_suffixes")
-            raise ConfigError(f"data.text_suffixes={self.text_suffixes!r} {rule}")
+            raise ConfigError(_range_error(self, "data", "text_suffixes"))
         return parsed
 
     @staticmethod
@@ -380,73 +327,82 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    seq_len: int = 256
-    batch_size: int = 4          # sequences per optimizer step
-    # sequences per forward/backward (gradient accumulation; under pipeline parallelism, the pipeline's
-    # micro-batches); 0: the whole batch at once
-    microbatch_size: int = 0
-    steps: int = 200
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    # After the warmup (lr * (step + 1) / warmup_steps), formulas in train/schedule.py:
-    # cosine: a half cosine from lr down to min_lr_ratio * lr at the last step;
-    # wsd (warmup-stable-decay): lr held, then over the last decay_fraction of the steps down to
-    #   min_lr_ratio * lr at the last step, along decay_shape;
-    # constant: lr to the end (min_lr_ratio unused).
-    lr_schedule: str = "cosine"   # cosine | wsd | constant
-    decay_fraction: float = 0.2   # wsd: its decay takes round(decay_fraction * steps) steps (at least 1)
-    # wsd: the decay's lr scale at progress p in (0, 1]: 1-sqrt: 1 - sqrt(p) (Hägele et al. 2024 found it
-    # better than linear); linear: 1 - p
-    decay_shape: str = "1-sqrt"   # 1-sqrt | linear
-    # A resume that changes lr_schedule or a setting the saved or new schedule reads (lr, min_lr_ratio,
-    # warmup_steps, steps; wsd: the decay fields) is refused unless this is true. Then, as Megatron's
-    # --override-opt_param-scheduler, the new schedule is evaluated at the resumed step: its LR there
-    # may jump from the saved schedule's (both are printed), and follows the new schedule after.
-    schedule_override: bool = False
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 0          # 0: evaluate only at the end
-    # validation sequences (of seq_len tokens) per evaluation: one fixed set, the same under every layout
-    eval_rows: int = 16
-    device: str = "auto"
-    dtype: str = "float32"
-    threads: int = 0             # 0: leave torch's default
-    out_dir: str = ""            # where metrics.jsonl and loss.png go; empty: nowhere
-    peak_tflops: float = 0.0     # per device, for MFU; 0: look up CUDA devices, none on CPU
-    activation_checkpointing: str = "none"   # selective: the MLP branches; full: whole blocks
-    max_skipped_steps: int = 3   # a non-finite loss or gradient skips the step; this many in a row stop the run
-    # Seconds a rank waits for its peers, in one collective or in joining the process group, before it
-    # fails: a dead or stuck peer then ends the job (or torchrun --max-restarts restarts it) instead of
-    # hanging it. It must outlast the longest wait of a healthy job: on CUDA the first steps compile and
-    # autotune the Triton kernels (about 3 minutes on an H100) while the other ranks wait in a
-    # collective, and a checkpoint save waits for the slowest rank's writes. 600 s leaves room for both
-    # and is NCCL's own default; torch's gloo default (30 min) is how long the observed hangs would last.
-    collective_timeout_s: float = 600.0
+    """The optimizer, its learning-rate schedule, evaluation, and where and how the run executes."""
+    seq_len: int = setting(256, "tokens per sequence: a sequence needs an input token and the label after "
+                                "it, e.g. 256", rule=_at_least(2))
+    batch_size: int = setting(4, "sequences per optimizer step", rule=_at_least(1))
+    microbatch_size: int = setting(
+        0, "sequences per forward/backward, dividing train.batch_size: gradient accumulation, and the "
+           "pipeline's micro-batches under pipeline parallelism (0: the whole batch)", rule=_at_least(0))
+    steps: int = setting(200, "optimizer updates", rule=_at_least(1))
+    lr: float = setting(3e-3, "the peak learning rate, e.g. 3e-3", rule=_number_above(0.0))
+    min_lr_ratio: float = setting(0.1, "the final learning rate over train.lr, e.g. 0.1", rule=_within(0, 1))
+    warmup_steps: int = setting(20, "linear warmup updates (0: none)", rule=_at_least(0))
+    lr_schedule: str = setting(
+        "cosine", "the learning rate after the warmup (train/schedule.py): cosine: a half cosine from "
+                  "train.lr down to min_lr_ratio * lr at the last step; wsd (warmup-stable-decay): lr held, "
+                  "then over the last train.decay_fraction of the steps down to min_lr_ratio * lr along "
+                  "train.decay_shape; constant: lr to the end (min_lr_ratio unused)", choices=LR_SCHEDULES)
+    decay_fraction: float = setting(
+        0.2, "the share of train.steps that train.lr_schedule=wsd decays over, at the end, e.g. 0.2",
+        rule=_within(0, 1, "(]"))
+    # Hägele et al. 2024 found 1-sqrt better than linear.
+    decay_shape: str = setting("1-sqrt", "the wsd decay's lr scale at progress p in (0, 1]: 1-sqrt: "
+                                         "1 - sqrt(p); linear: 1 - p", choices=DECAY_SHAPES)
+    schedule_override: bool = setting(
+        False, "allow a resume that changes train.lr_schedule or a setting the saved or new schedule reads "
+               "(lr, min_lr_ratio, warmup_steps, steps; wsd: the decay fields): as Megatron's "
+               "--override-opt_param-scheduler, the new schedule is evaluated at the resumed step, its LR "
+               "there may jump from the saved schedule's (both are printed)")
+    weight_decay: float = setting(0.1, "AdamW's weight decay (0: none), e.g. 0.1", rule=_number_at_least(0.0))
+    beta1: float = setting(0.9, "AdamW's first-moment decay, e.g. 0.9", rule=_within(0, 1, "[)"))
+    beta2: float = setting(0.95, "AdamW's second-moment decay, e.g. 0.95", rule=_within(0, 1, "[)"))
+    grad_clip: float = setting(1.0, "the gradient-norm bound (0 turns clipping off), e.g. 1.0",
+                               rule=_number_at_least(0.0))
+    seed: int = setting(0, "the seed of the initial weights, e.g. 0", rule=_SEED_RULE)
+    log_every: int = setting(10, "steps between progress lines", rule=_at_least(1))
+    eval_every: int = setting(0, "steps between evaluations (0: only at the end)", rule=_at_least(0))
+    eval_rows: int = setting(16, "validation sequences of train.seq_len tokens per evaluation (the same set "
+                                 "under any layout)", rule=_at_least(1))
+    device: str = setting("auto", "what to train on: auto (CUDA when available, else the CPU), cpu, cuda or "
+                                  "cuda:N")
+    dtype: str = setting("float32", "the compute dtype on CUDA (autocast; float16 with a loss scaler); the "
+                                    "CPU trains in float32", choices=TRAIN_DTYPES)
+    threads: int = setting(0, "CPU threads for torch (0: torch's default)", rule=_at_least(0))
+    out_dir: str = setting("", "where metrics.jsonl, loss.png and checkpoints go ('': nowhere)")
+    # 0: looked up for CUDA devices; none on the CPU (no MFU).
+    peak_tflops: float = setting(0.0, "one device's peak TFLOP/s for MFU (0: look it up)",
+                                 rule=_number_at_least(0.0))
+    activation_checkpointing: str = setting(
+        "none", "activations recomputed in the backward to save memory: none; selective: the MLP branches; "
+                "full: whole blocks", choices=CHECKPOINTING_MODES)
+    max_skipped_steps: int = setting(
+        3, "non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3",
+        rule=_at_least(1))
+    # Also the wait in joining the process group. A dead or stuck peer then ends the job (or torchrun
+    # --max-restarts restarts it) instead of hanging it. It must outlast the longest wait of a healthy
+    # job: on CUDA the first steps compile and autotune the Triton kernels (about 3 minutes on an H100)
+    # while the other ranks wait in a collective, and a checkpoint save waits for the slowest rank's
+    # writes. 600 s leaves room for both and is NCCL's own default; torch's gloo default (30 min) is how
+    # long the observed hangs would last.
+    collective_timeout_s: float = setting(
+        600.0, "how long a rank waits for its peers in one collective before failing; keep it above the "
+               "slowest first step (Triton compilation on CUDA: about 3 minutes), e.g. 600",
+        rule=_within(1, 86400, unit="seconds"))
 
     def validate(self) -> None:
-        _check_fields(self, "train", TRAIN_RULES)
+        _check_fields(self, "train")
         if self.microbatch_size and self.batch_size % self.microbatch_size:
-            raise ConfigError(f"train.microbatch_size={self.microbatch_size} does not divide train.batch_size="
-                              f"{self.batch_size}; choose a divisor (or 0: no accumulation)")
+            raise ConfigError(f"train.microbatch_size={self.microbatch_size} does not divide "
+                              f"train.batch_size={self.batch_size}; choose a divisor (or 0: no accumulation)")
         if self.warmup_steps > self.steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds train.steps={self.steps}; "
                               f"lower train.warmup_steps or raise train.steps")
-        _check_choice(self, "train", "lr_schedule", LR_SCHEDULES,
-                      "(cosine: decays over all steps; wsd: warmup-stable-decay; constant: lr after the warmup)")
-        _check_choice(self, "train", "decay_shape", DECAY_SHAPES, "(the wsd decay: 1 - sqrt(p) or 1 - p)")
         if self.lr_schedule == "wsd" and self.warmup_steps + self.decay_steps > self.steps:
-            raise ConfigError(f"train.lr_schedule=wsd: train.warmup_steps={self.warmup_steps} plus the decay's "
-                              f"round(train.decay_fraction * steps) = {self.decay_steps} steps exceed train.steps="
-                              f"{self.steps}; lower train.decay_fraction or train.warmup_steps")
-        _check_choice(self, "train", "dtype", TRAIN_DTYPES)
-        _check_choice(self, "train", "activation_checkpointing",
-                      CHECKPOINTING_MODES,
-                      "(full: recompute every block in the backward)")
+            raise ConfigError(f"train.lr_schedule=wsd: train.warmup_steps={self.warmup_steps} plus the "
+                              f"decay's round(train.decay_fraction * steps) = {self.decay_steps} steps "
+                              f"exceed train.steps={self.steps}; lower train.decay_fraction or "
+                              f"train.warmup_steps")
         _check_device(self.device)
         _check_out_dir(self.out_dir)
 
@@ -476,15 +432,23 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     """The device mesh pp x dp x cp x tp (innermost last) and how each dimension is applied."""
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"          # 1f1b | interleaved
-    virtual_stages: int = 1            # pipeline stages per pp rank (interleaved schedule)
-    data_parallel: str = "fsdp"        # fsdp (FSDP2 over dp, replicated over cp) | ddp
-    cp_algorithm: str = "relay"        # relay | allgather (docs/design.md §2)
+    tp: int = setting(1, "the tensor-parallel degree (1: off)", rule=_at_least(1))
+    pp: int = setting(1, "the pipeline-parallel degree (1: off)", rule=_at_least(1))
+    cp: int = setting(1, "the context-parallel degree (1: off)", rule=_at_least(1))
+    dp: int = setting(1, "the data-parallel degree (1: off)", rule=_at_least(1))
+    sequence_parallel: bool = setting(
+        False, "with tp > 1: the norms and residuals between the tensor-parallel layers hold a tp-th of the "
+               "sequence each")
+    pp_schedule: str = setting("1f1b", "the pipeline schedule: 1f1b (one stage per rank) or interleaved "
+                                       "(parallel.virtual_stages per rank)", choices=PP_SCHEDULES)
+    virtual_stages: int = setting(1, "pipeline stages per pp rank (1 with the 1f1b schedule)",
+                                  rule=_at_least(1))
+    data_parallel: str = setting("fsdp", "fsdp (FSDP2 over dp, replicated over cp) or ddp",
+                                 choices=DATA_PARALLEL_MODES)
+    cp_algorithm: str = setting(
+        "relay", "how the GDN state crosses context-parallel ranks (docs/design.md §2): relay (rank to rank, "
+                 "exact) or allgather (one all-gather of segment summaries per layer, for a large cp)",
+        choices=CP_ALGORITHMS)
 
     @property
     def world_size(self) -> int:
@@ -492,14 +456,11 @@ class ParallelConfig:
 
     def validate(self, model: ModelConfig | None = None, train: TrainConfig | None = None,
                  world_size: int | None = None) -> ParallelConfig:
-        _check_fields(self, "parallel", PARALLEL_RULES)
-        _check_choice(self, "parallel", "pp_schedule", PP_SCHEDULES)
-        _check_choice(self, "parallel", "data_parallel", DATA_PARALLEL_MODES)
-        _check_choice(self, "parallel", "cp_algorithm", CP_ALGORITHMS)
+        _check_fields(self, "parallel")
         if world_size is not None and self.world_size != world_size:
             raise ConfigError(
-                f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} but "
-                f"the job has {world_size} processes; make the product equal the world size")
+                f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} "
+                f"but the job has {world_size} processes; make the product equal the world size")
         if self.pp_schedule == "interleaved" and self.virtual_stages < 2 and self.pp > 1:
             raise ConfigError(f"parallel.virtual_stages={self.virtual_stages}: "
                               f"parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2")
@@ -514,19 +475,13 @@ class ParallelConfig:
 
     def _validate_model(self, model: ModelConfig) -> None:
         tp = self.tp
-        # Only the heads of layers the model has are split: a pure GDN model has no attention heads.
-        has_gdn, has_attention = "G" in model.layer_types, any(t in model.layer_types for t in "SA")
-        checks = ([("model.gdn_num_heads", model.gdn_num_heads), ("model.gdn_num_v_heads", model.num_v_heads)]
-                  if has_gdn else [])
-        checks += [("model.attn_num_heads", model.attn_num_heads)] if has_attention else []
-        checks += [("MLP width (model.intermediate_size)", model.mlp_dim), ("model.vocab_size", model.vocab_size)]
+        # The mixers' head counts are the model layer's rules (model/mixers.py: check_layers(model, tp)).
+        checks = [("MLP width (model.intermediate_size)", model.mlp_dim),
+                  ("model.vocab_size", model.vocab_size)]
         for name, value in checks:
             if value % tp:
                 raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; choose a tp that "
                                   f"divides it or change the model")
-        if has_attention and model.num_kv_heads % tp and tp % model.num_kv_heads:
-            raise ConfigError(f"model.attn_num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must "
-                              f"divide the other (KV heads are split, or replicated when fewer than tp)")
         stages = self.pp * self.virtual_stages
         if model.n_layers < stages:
             raise ConfigError(f"model.n_layers={model.n_layers} < pipeline stages parallel.pp * "
@@ -542,7 +497,8 @@ class ParallelConfig:
         split = self.cp * (self.tp if self.sequence_parallel else 1)
         # Divisible and positive, so every rank's shard holds row // split >= 1 tokens.
         if row % split:
-            what = "parallel.cp * parallel.tp (sequence parallel)" if self.sequence_parallel else "parallel.cp"
+            what = ("parallel.cp * parallel.tp (sequence parallel)" if self.sequence_parallel
+                    else "parallel.cp")
             raise ConfigError(f"a micro-batch row of train.seq_len * microbatch_size = {row} tokens "
                               f"is not divisible by {what} = {split}; no padding is added: change "
                               f"train.seq_len or the parallel degrees")
@@ -551,13 +507,15 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     """Checkpoints under <train.out_dir>/checkpoints/step_<N>/ (N: completed optimizer steps)."""
-    interval: int = 0            # every N steps; 0: only the last step (which is always saved)
-    keep: int = 0                # newest K complete checkpoints kept; 0: all
-    async_save: bool = False     # torch.distributed.checkpoint async save: training goes on while it writes
-    enabled: bool = True         # false: no checkpoints at all (a run that is never resumed)
+    interval: int = setting(0, "optimizer steps between checkpoints (0: only the last step, which is always "
+                               "saved)", rule=_at_least(0))
+    keep: int = setting(0, "the newest complete checkpoints kept (0: all)", rule=_at_least(0))
+    async_save: bool = setting(False, "torch.distributed.checkpoint's async save: training goes on while it "
+                                      "writes")
+    enabled: bool = setting(True, "write checkpoints (false: none at all, for a run that is never resumed)")
 
     def validate(self, train: TrainConfig | None = None) -> None:
-        _check_fields(self, "checkpoint", CHECKPOINT_RULES)
+        _check_fields(self, "checkpoint")
         if train is not None and self.enabled and self.interval and not train.out_dir:
             raise ConfigError(f"checkpoint.interval={self.interval} needs train.out_dir (checkpoints go to "
                               f"<train.out_dir>/checkpoints/); set train.out_dir or checkpoint.interval=0")
@@ -566,10 +524,12 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     """Where metrics go besides the console and <train.out_dir>/metrics.jsonl."""
-    tensorboard: bool = False    # event files under <train.out_dir>/tensorboard (needs tensorboard)
-    wandb_project: str = ""      # a Weights & Biases project; empty: no wandb
-    wandb_mode: str = "offline"  # offline (no network) | online | disabled
-    progress_bar: str = "auto"   # auto: a bar when attached to a terminal, plain lines otherwise | on | off
+    tensorboard: bool = setting(False, "event files under <train.out_dir>/tensorboard (needs tensorboard)")
+    wandb_project: str = setting("", "a Weights & Biases project ('': no wandb)")
+    wandb_mode: str = setting("offline", "offline (no network), online or disabled; W&B's own WANDB_MODE, "
+                                         "when set, wins", choices=WANDB_MODES)
+    progress_bar: str = setting("auto", "auto: a bar when attached to a terminal, plain lines otherwise; "
+                                        "on; off", choices=PROGRESS_BAR_MODES)
 
     @property
     def wandb_enabled(self) -> bool:
@@ -582,9 +542,7 @@ class LogConfig:
         """Besides the choices: the backends asked for are installed (checked on every rank, before
         any process group exists) and, given `train`, have a train.out_dir to write to."""
         import importlib.util
-        _check_fields(self, "log", ())
-        _check_choice(self, "log", "wandb_mode", ("offline", "online", "disabled"))
-        _check_choice(self, "log", "progress_bar", ("auto", "on", "off"))
+        _check_fields(self, "log")
         asked = [("log.tensorboard=true", "tensorboard", "log.tensorboard=false")] if self.tensorboard else []
         if self.wandb_enabled:
             asked.append((f"log.wandb_project={self.wandb_project!r}", "wandb", "log.wandb_project=''"))
@@ -688,8 +646,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise _DuplicateKey(None, None, f"the key {key!r} appears twice in one section (first on line "
-                                    f"{seen[key] + 1}); keep one", key_node.start_mark)
+                raise _DuplicateKey(None, None, f"the key {key!r} appears twice in one section (first on "
+                                    f"line {seen[key] + 1}); keep one", key_node.start_mark)
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -699,7 +657,8 @@ def _read_yaml(path: Path) -> Any:
         with open(path, encoding="utf-8") as fh:
             return yaml.load(fh, Loader=_UniqueKeyLoader) or {}
     except _DuplicateKey as err:
-        raise ConfigError(f"config file {str(path)!r}, line {err.problem_mark.line + 1}: {err.problem}") from None
+        raise ConfigError(f"config file {str(path)!r}, line {err.problem_mark.line + 1}: "
+                          f"{err.problem}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
@@ -719,23 +678,28 @@ def _field_types(cls) -> dict:
     return get_type_hints(cls)
 
 
-def _check_fields(obj, section: str, rules: tuple[Rule, ...]) -> None:
+def _check_fields(obj, section: str) -> None:
     """Every field's type (as when read from YAML, so configs built in code are held to the same
-    rules), then the range rules of `rules`."""
-    hints = _field_types(type(obj))
+    rules), then its range rule or its choices, as its declaration (`setting`) gives them."""
+    section_class: type = type(obj)  # not type[Any], which mypy takes for unhashable (functools.cache)
+    hints = _field_types(section_class)
     for f in fields(obj):
-        setattr(obj, f.name, _coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"))
-    for name, test, requirement in rules:
-        value = getattr(obj, name)
-        if not test(value):
-            raise ConfigError(f"{section}.{name}={value!r} {requirement}")
+        setattr(obj, f.name, _coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}",
+                                     f.metadata.get("choices", ())))
+    for f in fields(obj):
+        value, rule, choices = getattr(obj, f.name), f.metadata.get("rule"), f.metadata.get("choices", ())
+        if rule is not None and value is not None and not rule.test(value):
+            raise ConfigError(_range_error(obj, section, f.name))
+        if choices and value not in choices:
+            raise ConfigError(f"{section}.{f.name}={value!r} is not supported; choose one of {choices} "
+                              f"({f.metadata['help']})")
 
 
-def _check_choice(obj, section: str, name: str, allowed, note: str = "") -> None:
-    value = getattr(obj, name)
-    if value not in allowed:
-        raise ConfigError(f"{section}.{name}={value!r} is not supported; choose one of {tuple(allowed)}"
-                          + (f" {note}" if note else ""))
+def _range_error(obj, section: str, name: str) -> str:
+    """The message for a value outside its field's range rule."""
+    declared = next(f for f in fields(obj) if f.name == name)
+    return (f"{section}.{name}={getattr(obj, name)!r} {declared.metadata['rule'].requirement}: "
+            f"{declared.metadata['help']}")
 
 
 def _check_device(name: str) -> None:
@@ -781,7 +745,8 @@ def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = _field_types(cls)
-    known = {f.name for f in fields(cls)}
+    declared = {f.name: f for f in fields(cls)}
+    known = set(declared)
     unknown = sorted(set(data) - known)
     for name in unknown:
         if prefix + name in RENAMED:
@@ -794,11 +759,13 @@ def _build(cls, data: dict, prefix: str):
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(value, hint, prefix + name)
+            kwargs[name] = _coerce(value, hint, prefix + name, declared[name].metadata.get("choices", ()))
     return cls(**kwargs)
 
 
-def _coerce(value, hint, name):
+def _coerce(value, hint, name: str, choices: tuple = ()):
+    """`value` as the type `hint` asks (a YAML 1.1 reading undone where it misread the text), else a
+    ConfigError naming `name`."""
     optional = get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
     if value is None:
         if optional:
@@ -823,7 +790,9 @@ def _coerce(value, hint, name):
             raise ConfigError(f"{name}={value!r} must be a number")
         return float(value)
     if base is str:
-        if isinstance(value, bool) and name in ON_OFF_FIELDS:  # YAML 1.1 reads a bare on/off as a boolean
+        # YAML 1.1 reads a bare on/off (also no, true) as a boolean: a field whose choices are on and off
+        # takes it back.
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
             return "on" if value else "off"
         if not isinstance(value, str):
             raise ConfigError(f"{name}={value!r} must be a string")

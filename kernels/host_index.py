@@ -23,6 +23,9 @@ def on_device(index: torch.Tensor, device) -> torch.Tensor:
     key = id(index)
     entry = _device_copies.get(key)
     if entry is None or entry[0]() is not index or entry[1] != index._version or entry[2].device != device:
-        ref = weakref.ref(index, lambda _, key=key: _device_copies.pop(key, None))
+        def forget(_: object, key: int = key) -> None:   # when the host tensor is freed
+            _device_copies.pop(key, None)
+
+        ref = weakref.ref(index, forget)
         entry = _device_copies[key] = (ref, index._version, index.to(device))
     return entry[2]

@@ -82,22 +82,25 @@ def test_imports_follow_the_layers(path):
         where = f"{path.relative_to(REPO)}:{line} imports {target}"
         if source in LEAF_IMPORTS and target_unit != source:
             assert top in stdlib or top in LEAF_IMPORTS[source] or top == "__future__", \
-                f"{where}: {source} is a leaf and imports only {sorted(LEAF_IMPORTS[source])} and the standard library"
+                f"{where}: {source} is a leaf and imports only {sorted(LEAF_IMPORTS[source])} and the " \
+                "standard library"
         if target_unit == source:
             continue
         if target_unit is None:  # a third-party module (or the package roots, which import nothing)
-            assert top not in ("gdn_parallel", "gdn_kernels") or target in ("gdn_parallel", "gdn_kernels"), where
+            assert (top not in ("gdn_parallel", "gdn_kernels")
+                    or target in ("gdn_parallel", "gdn_kernels")), where
             continue
         assert LAYERS[target_unit] < LAYERS[source], \
-            f"{where}: layer {LAYERS[source]} ({source}) may import only layers below it, not {target_unit} " \
-            f"(layer {LAYERS[target_unit]})"
+            f"{where}: layer {LAYERS[source]} ({source}) may import only layers below it, not " \
+            f"{target_unit} (layer {LAYERS[target_unit]})"
 
 
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
     """The checker itself: an upward import hidden inside a function is caught."""
     fake = REPO / "gdn_parallel" / "ops" / "_layering_probe.py"
     assert not fake.exists()
-    monkeypatch.setattr(Path, "read_text", lambda self, encoding=None: "def f():\n    from ..parallel import mesh\n")
+    monkeypatch.setattr(Path, "read_text",
+                        lambda self, encoding=None: "def f():\n    from ..parallel import mesh\n")
     found = list(imports_of(fake))
     assert found == [("gdn_parallel.parallel", 2)]
     assert LAYERS[unit_of(found[0][0])] > LAYERS[unit_of(module_name(fake))]

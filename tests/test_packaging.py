@@ -19,9 +19,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_INPUTS = ["setup.py", "pyproject.toml", "README.md", "gdn_parallel", "kernels", "configs", "launch"]
 # console script -> the module:function it runs (the tools once in tools/, now in the package)
-CONSOLE_TOOLS = {"gdn-train": "gdn_parallel.train.__main__:main", "gdn-convert": "gdn_parallel.convert.__main__:main",
-                 "gdn-verify": "gdn_parallel.verify.__main__:main", "gdn-plot": "gdn_parallel.train.plot:main",
-                 "gdn-eval-niah": "gdn_parallel.evaluate.niah:main", "gdn-prepare-data": "gdn_parallel.data.prepare:main",
+CONSOLE_TOOLS = {"gdn-train": "gdn_parallel.train.__main__:main",
+                 "gdn-convert": "gdn_parallel.convert.__main__:main",
+                 "gdn-verify": "gdn_parallel.verify.__main__:main",
+                 "gdn-plot": "gdn_parallel.train.plot:main",
+                 "gdn-eval-niah": "gdn_parallel.evaluate.niah:main",
+                 "gdn-prepare-data": "gdn_parallel.data.prepare:main",
                  "gdn-launch-scripts": "gdn_parallel.runtime.launch_scripts:main"}
 # source folder in the repository -> package it is installed as
 PACKAGE_DIRS = {"gdn_parallel": "gdn_parallel", "kernels": "gdn_kernels"}
@@ -33,7 +36,8 @@ def expected_wheel_files() -> set:
         expected |= {f"{package}/{path.relative_to(REPO_ROOT / source).as_posix()}"
                      for path in (REPO_ROOT / source).rglob("*.py")}
     expected |= {f"gdn_parallel/configs/{path.name}" for path in (REPO_ROOT / "configs").glob("*.yaml")}
-    expected |= {f"gdn_parallel/launch/{path.name}" for path in (REPO_ROOT / "launch").iterdir() if path.is_file()}
+    expected |= {f"gdn_parallel/launch/{path.name}" for path in (REPO_ROOT / "launch").iterdir()
+                 if path.is_file()}
     return expected
 
 
@@ -110,12 +114,14 @@ def test_installed_package_finds_its_configs_outside_the_repository(wheel, tmp_p
     for tool in CONSOLE_TOOLS:
         result = subprocess.run([str(target / "bin" / tool), "--help"], cwd=elsewhere, env=env,
                                 capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0 and result.stdout.startswith(f"usage: {tool} "), result.stdout + result.stderr
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: {tool} "), \
+            result.stdout + result.stderr
     result = subprocess.run([str(target / "bin" / "gdn-launch-scripts")], cwd=elsewhere, env=env,
                             capture_output=True, text=True, timeout=60)
     scripts = Path(result.stdout.strip())
     assert result.returncode == 0 and scripts == (target / "gdn_parallel" / "launch").resolve(), result.stderr
-    assert {path.name for path in scripts.iterdir()} == {path.name for path in (REPO_ROOT / "launch").iterdir()}
+    assert {path.name for path in scripts.iterdir()} == \
+        {path.name for path in (REPO_ROOT / "launch").iterdir()}
     dry_run = subprocess.run(["bash", str(scripts / "torchrun.sh"), "--max-restarts=1", "--", "--steps", "2"],
                              cwd=elsewhere, env={**env, "DRY_RUN": "1", "NPROC_PER_NODE": "2"},
                              capture_output=True, text=True, timeout=60)

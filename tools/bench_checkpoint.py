@@ -64,7 +64,8 @@ def drop_page_cache() -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gdn-1.3b.yaml")
-    parser.add_argument("--dir", default="/tmp/bench-checkpoint", help="where the checkpoint is written (removed)")
+    parser.add_argument("--dir", default="/tmp/bench-checkpoint",
+                        help="where the checkpoint is written (removed)")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before the load (root)")
     parser.add_argument("--repeats", type=int, default=2, help="timed loads of each kind (median reported)")
     parser.add_argument("--json", default=None)
@@ -83,7 +84,8 @@ def main() -> int:
         save_s = time.perf_counter() - start
         path = Path(args.dir) / "checkpoints" / "step_1"
         size = sum(p.stat().st_size for p in path.iterdir())
-        verifying = Stopwatch(loading, "_local_damage")   # the small files first, the data files while they load
+        # the small files first, the data files while they load
+        verifying = Stopwatch(loading, "_local_damage")
 
         def timed_load() -> float:
             start = time.perf_counter()
@@ -100,20 +102,23 @@ def main() -> int:
         for _ in range(args.repeats):   # alternating, so that drift hits both alike
             for kind in ("unverified", "verified"):
                 verifying.original = verify if kind == "verified" else skip
-                gc.collect()   # a full collection inside one load is worth 0.2 s of noise even on the tiny model
+                # a full collection inside one load is worth 0.2 s of noise even on the tiny model
+                gc.collect()
                 cold = drop_page_cache() if args.cold else False
                 times[kind].append(timed_load())
         load_s, unverified_s = statistics.median(times["verified"]), statistics.median(times["unverified"])
         verify_s = verifying.seconds / args.repeats
-    result = {"config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    result = {"config": args.config,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "cpus": os.cpu_count(), "bytes": size,
               "parameters": sum(p.numel() for p in params), "save_s": save_s, "checksum_s": hashing.seconds,
               "load_s": load_s, "verify_s": verify_s, "load_unverified_s": unverified_s, "cold_cache": cold}
     result["checksum_share_of_save"] = hashing.seconds / save_s
     result["load_overhead"] = load_s / unverified_s - 1
-    print(f"checkpoint of {args.config}: {size / 2 ** 30:.2f} GiB ({result['parameters']:,} parameters + AdamW) on "
-          f"{result['device']}, {result['cpus']} CPUs")
-    print(f"save {save_s:6.2f} s, of which checksums {hashing.seconds:5.2f} s ({100 * result['checksum_share_of_save']:.1f}%)")
+    print(f"checkpoint of {args.config}: {size / 2 ** 30:.2f} GiB ({result['parameters']:,} parameters + "
+          f"AdamW) on {result['device']}, {result['cpus']} CPUs")
+    print(f"save {save_s:6.2f} s, of which checksums {hashing.seconds:5.2f} s "
+          f"({100 * result['checksum_share_of_save']:.1f}%)")
     print(f"load {load_s:6.2f} s, verifying {verify_s:5.2f} s of it (the data files alongside the reading)"
           f"; unverified {unverified_s:6.2f} s (verification adds {100 * result['load_overhead']:.1f}%)"
           f"{' (cold page cache before each load)' if cold else ''}")

@@ -115,7 +115,8 @@ class Bench:
         self.log(f"{label}: {what} (peak {result['peak_gb']} GB)")
         if profiled and self.args.profile and not result["oom"]:
             self.profiles[label] = profile_step(step, self.device)
-            path = os.path.join(os.path.dirname(os.path.abspath(self.args.out)), f"profile_rank{self.rank}.json")
+            path = os.path.join(os.path.dirname(os.path.abspath(self.args.out)),
+                                f"profile_rank{self.rank}.json")
             write_json(path, self.profiles)
         return result
 

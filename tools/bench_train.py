@@ -1,6 +1,7 @@
 """Training-step benchmark on one GPU: our HybridLM against fla-core's GatedDeltaNetForCausalLM, one run.
 
-    python tools/bench_train.py --configs configs/gdn-1.3b.yaml --batches 2,8 --micro 2 --out $OUT/bench_train.json
+    python tools/bench_train.py --configs configs/gdn-1.3b.yaml --batches 2,8 --micro 2 \\
+        --out $OUT/bench_train.json
 
 For each config and batch size: one optimizer step = batch / micro sequences per forward/backward
 (gradient accumulation), bf16 autocast over fp32 weights, fused AdamW, random tokens, one document
@@ -125,7 +126,8 @@ def measure(name, model, loss_sum, flops_per_token, batch, micro, seq_len, vocab
         ms = times[len(times) // 2]
         tokens_per_s = batch * seq_len / (ms / 1e3)
         peak = peak_flops_per_s(argparse.Namespace(peak_tflops=0.0), device)
-        row.update(step_ms=ms, tokens_per_s=tokens_per_s, peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30,
+        row.update(step_ms=ms, tokens_per_s=tokens_per_s,
+                   peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30,
                    mfu=flops_per_token * tokens_per_s / peak if peak and flops_per_token else None)
     except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others' rows
         if is_oom(err):
@@ -162,7 +164,8 @@ def account_saved_activations(config: Config, batch: int, device) -> dict:
 
     ids, labels = random_rows(batch, config.train.seq_len, config.model.vocab_size, device)
     cu = torch.arange(0, (batch + 1) * config.train.seq_len, config.train.seq_len, dtype=torch.int32)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          torch.autocast("cuda", dtype=torch.bfloat16)):
         out = model(ids.reshape(1, -1), labels=labels.reshape(1, -1), cu_seqlens=cu)
     del out
     total = sum(charged.values())
@@ -176,8 +179,8 @@ def main(argv=None) -> int:
     results, accounts = [], {}
 
     def write_payload() -> dict:  # after every row: a run stopped part-way keeps what it measured
-        payload = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "results": results,
-                   "accounts": accounts}
+        payload = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                   "results": results, "accounts": accounts}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload, indent=1))
         return payload
@@ -193,8 +196,8 @@ def main(argv=None) -> int:
             micro = args.micro or batch
             for ac in args.ac.split(","):
                 model, loss_sum, fpt = ours(config, ac, device)
-                row = measure(f"ours ({ac})", model, loss_sum, fpt, batch, micro, seq_len, config.model.vocab_size,
-                              args, device)
+                row = measure(f"ours ({ac})", model, loss_sum, fpt, batch, micro, seq_len,
+                              config.model.vocab_size, args, device)
                 results.append({"config": path, **row})
                 print(json.dumps(results[-1]), flush=True)
                 write_payload()
@@ -203,8 +206,8 @@ def main(argv=None) -> int:
             peer = None if args.no_fla else fla_peer(config, device)
             if peer is not None:
                 model, loss_sum = peer
-                row = measure("fla-core", model, loss_sum, fpt, batch, micro, seq_len, config.model.vocab_size,
-                              args, device)
+                row = measure("fla-core", model, loss_sum, fpt, batch, micro, seq_len,
+                              config.model.vocab_size, args, device)
                 results.append({"config": path, **row})
                 print(json.dumps(results[-1]), flush=True)
                 write_payload()
@@ -212,16 +215,16 @@ def main(argv=None) -> int:
                 free_memory(device)
     payload = write_payload()
     print(f"\n{payload['device']}, torch {torch.__version__}")
-    print(f"{'config':24s} {'model':18s} {'batch':>5s} {'micro':>5s} {'ms/step':>9s} {'tok/s':>9s} {'MFU':>6s} "
-          f"{'peak GiB':>9s}")
+    print(f"{'config':24s} {'model':18s} {'batch':>5s} {'micro':>5s} {'ms/step':>9s} {'tok/s':>9s} "
+          f"{'MFU':>6s} {'peak GiB':>9s}")
     for r in results:
         if r.get("oom") or r.get("error"):
             print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} "
                   + ("      OOM" if r.get("oom") else f"  error: {r['error']}"))
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
-        print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} {r['step_ms']:9.1f} "
-              f"{r['tokens_per_s']:9,.0f} {mfu:>6s} {r['peak_gib']:9.1f}")
+        print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} "
+              f"{r['step_ms']:9.1f} {r['tokens_per_s']:9,.0f} {mfu:>6s} {r['peak_gib']:9.1f}")
     for path, acc in accounts.items():
         print(f"\nsaved activations, {Path(path).name}, batch {acc['batch']} x {acc['seq_len']}: "
               f"{acc['total_gib']:.2f} GiB")

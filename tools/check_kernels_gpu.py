@@ -4,8 +4,8 @@
 
 For every case: relative error (||a - e|| / ||e||) of the output, the final states and the gradients
 of q, k, v, g, beta and the initial states (and of A_log, dt_bias when the kernels apply the
-activations), with documents and initial states (the reference gets
-the fp32 originals of the inputs rounded to bf16 for the kernels, so input rounding counts too); the same inputs run
+activations), with documents and initial states (the reference gets the fp32 originals of the inputs
+rounded to bf16 for the kernels, so input rounding counts too); the same inputs run
 twice must give the same bits (else a race is suspected); and one case runs with every kernel output
 buffer poisoned with NaN (an element left unwritten shows up). Triton 3.6 miscompiles some gated
 backward kernels on Hopper (fla #640), so this runs on the GPU every time the kernels change.
@@ -40,10 +40,12 @@ def inputs(T, H, HV, n_docs, seed, gates, dim=128):
     if gates:  # logits; A ~ U(1, 16) and dt_bias = softplus^-1(dt), dt ~ 1e-3..0.1, as the layer's init
         g, beta = randn(1, T, HV), randn(1, T, HV)
         dt = torch.exp(torch.rand(HV, device="cuda", generator=gen) * 4.6 - 6.9)
-        extra = [torch.rand(HV, device="cuda", generator=gen).mul(15).add(1).log(), dt + torch.log(-torch.expm1(-dt))]
+        extra = [torch.rand(HV, device="cuda", generator=gen).mul(15).add(1).log(),
+                 dt + torch.log(-torch.expm1(-dt))]
     else:
         g, beta, extra = F.logsigmoid(randn(1, T, HV) + 3.0), torch.sigmoid(randn(1, T, HV)), []
-    k = randn(1, T, H, dim) * 2.0 if gates else F.normalize(randn(1, T, H, dim), dim=-1)  # raw when normalised in-kernel
+    # raw when normalised in-kernel
+    k = randn(1, T, H, dim) * 2.0 if gates else F.normalize(randn(1, T, H, dim), dim=-1)
     return [randn(1, T, H, dim), k, randn(1, T, HV, dim), g, beta,
             randn(n_docs, HV, dim, dim), randn(1, T, HV, dim), randn(n_docs, HV, dim, dim)] + extra
 
@@ -53,8 +55,9 @@ def run(tensors, impl, dtype, cu, fused=True):
     q, k, v, g, beta, h0, do, dfinal, *decay_params = tensors
     # The model hands the op q, k, v, beta (and the logits a) in the compute dtype, a log decay g in fp32.
     g_dtype = dtype if decay_params else torch.float32
-    leaves = [x.to(dtype if i != 3 else g_dtype).detach().requires_grad_()
-              for i, x in enumerate((q, k, v, g, beta))] + [x.detach().requires_grad_() for x in [h0] + decay_params]
+    leaves = ([x.to(dtype if i != 3 else g_dtype).detach().requires_grad_()
+               for i, x in enumerate((q, k, v, g, beta))]
+              + [x.detach().requires_grad_() for x in [h0] + decay_params])
     gates = dict(decay_params=tuple(leaves[6:]) or None, beta_activation="sigmoid" if decay_params else None,
                  use_qk_l2norm=bool(decay_params))
     inputs = leaves[:5]
@@ -88,7 +91,8 @@ def check_case(T, H, HV, cuts, gates, seed, poison=False):
            "finite": all(bool(torch.isfinite(a).all()) for a in actual)}
     if poison:
         original = gdn_triton._buffer
-        gdn_triton._buffer = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+        gdn_triton._buffer = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                     device=device)
         try:
             poisoned = run(tensors, "triton", torch.bfloat16, cu)
         finally:
@@ -120,8 +124,9 @@ def main(argv=None):
         rows.append(row)
         errs = " ".join(f"{n} {e:.1e}" for n, e in row["rel_err"].items())
         errs += "".join(f" | unfused {n} {e:.1e}" for n, e in row.get("unfused_rel_err", {}).items())
-        print(f"T={T:>6} H={H} HV={HV} docs={row['documents']} gates={int(gates)} {'OK ' if row['ok'] else 'BAD'} "
-              f"det={row['deterministic']} poison={row.get('poisoned_buffers_equal', '-')} | {errs}", flush=True)
+        print(f"T={T:>6} H={H} HV={HV} docs={row['documents']} gates={int(gates)} "
+              f"{'OK ' if row['ok'] else 'BAD'} det={row['deterministic']} "
+              f"poison={row.get('poisoned_buffers_equal', '-')} | {errs}", flush=True)
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
               "all_ok": all(r["ok"] for r in rows)}

@@ -57,7 +57,8 @@ RUNNERS = {"kill-during-save": kill_during_save.run_part, "corrupt": corruption.
 
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+                if line.startswith("model name")),
+               platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
     def git(*words: str) -> str:
         done = subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
@@ -75,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("part", choices=[*PARTS, "all"], help="which part of the drill ('all': every part, "
                                                               "restarts last)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--seed", type=int, default=0, help="seeds every random choice (files, offsets, delays)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds every random choice (files, offsets, delays)")
     parser.add_argument("--trial", type=int, help="run only trial number N of the part (reproduces one case)")
-    parser.add_argument("--runs", type=int, default=20, help="kill-during-save: one-process runs (default 20)")
-    parser.add_argument("--runs-2proc", type=int, default=6, help="kill-during-save: torchrun runs, tp=2 / dp=2 "
-                                                                  "(default 6)")
+    parser.add_argument("--runs", type=int, default=20,
+                        help="kill-during-save: one-process runs (default 20)")
+    parser.add_argument("--runs-2proc", type=int, default=6,
+                        help="kill-during-save: torchrun runs, tp=2 / dp=2 (default 6)")
     parser.add_argument("--trials", type=int, default=10, help="corrupt: trials per kind (default 10)")
     parser.add_argument("--kinds", nargs="+", choices=list(CORRUPTIONS), metavar="KIND",
                         help=f"corrupt: these kinds only ({', '.join(CORRUPTIONS)})")

@@ -116,7 +116,8 @@ def table(results: list) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="", help="comma-separated config files (default: every configs/*.yaml)")
+    p.add_argument("--configs", default="",
+                   help="comma-separated config files (default: every configs/*.yaml)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra override for every config (repeatable)")

@@ -80,7 +80,8 @@ def signature_of(fn: JITFunction, args, kwargs):
     return signature, constexprs, options
 
 
-def gdn_launches(K: int, V: int, dtype: torch.dtype, arch: int, limit: int, heads: int = 2, tokens: int = 192):
+def gdn_launches(K: int, V: int, dtype: torch.dtype, arch: int, limit: int, heads: int = 2,
+                 tokens: int = 192):
     """The launches of one forward + backward of the Triton GDN op at these head dims and dtype."""
     from gdn_kernels.gated_delta_rule import triton_gated_delta_rule
     gen = torch.Generator().manual_seed(0)
@@ -118,12 +119,13 @@ def main(argv=None) -> int:
             for name, constexprs, options, shared in dict.fromkeys(
                     (n, repr(c), repr(o), sh) for n, c, o, sh in launches):
                 worst = max(worst, shared)
-                rows.append({"kernel": name, "K": K, "V": V, "dtype": dtype_name, "shared": shared, "fits": True,
-                             "setting": options, "constexprs": constexprs})
-                print(f"{dtype_name:9s} K={K:<4d} V={V:<4d} {name:24s} {shared / 1024:7.1f} KB  {options}", flush=True)
+                rows.append({"kernel": name, "K": K, "V": V, "dtype": dtype_name, "shared": shared,
+                             "fits": True, "setting": options, "constexprs": constexprs})
+                print(f"{dtype_name:9s} K={K:<4d} V={V:<4d} {name:24s} {shared / 1024:7.1f} KB  {options}",
+                      flush=True)
     over = [r for r in rows if not r["fits"]]
-    print(f"triton {triton.__version__}, sm_{args.arch}: {len(rows)} launches, largest {worst / 1024:.1f} KB, "
-          f"{len(over)} over the {args.limit / 1024:.0f} KB limit")
+    print(f"triton {triton.__version__}, sm_{args.arch}: {len(rows)} launches, largest "
+          f"{worst / 1024:.1f} KB, {len(over)} over the {args.limit / 1024:.0f} KB limit")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"triton": triton.__version__, "arch": args.arch,

@@ -57,7 +57,8 @@ def prepare(args) -> None:
     from gdn_parallel.model.build import build_model
     config = Config.from_yaml(resolve_config_path(args.config), args.set)
     if set(config.model.layer_types) != {"G"}:
-        raise SystemExit(f"{args.config}: fla's GatedDeltaNetForCausalLM holds GDN layers only; give a pure GDN config")
+        raise SystemExit(f"{args.config}: fla's GatedDeltaNetForCausalLM holds GDN layers only; give a pure "
+                         "GDN config")
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
@@ -70,8 +71,8 @@ def prepare(args) -> None:
     digest = hashlib.sha256()
     for file in sorted((work / HF).glob("*.safetensors")):
         digest.update(file.read_bytes())
-    print(f"prepared {work}: {sum(t.numel() for t in tensors.values()):,} parameters, exported to {work / HF} "
-          f"(sha256 of its weights {digest.hexdigest()[:16]})")
+    print(f"prepared {work}: {sum(t.numel() for t in tensors.values()):,} parameters, exported to "
+          f"{work / HF} (sha256 of its weights {digest.hexdigest()[:16]})")
 
 
 def load_config(work: Path, steps: int, warmup: int, lr=None) -> Config:
@@ -174,9 +175,9 @@ def train_run(work: Path, side: str, steps: int, warmup: int, lr, out: Path) -> 
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    record = {"side": side, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "fla": _fla_version(), "config": str(work / CONFIG_COPY), "steps": train.steps,
-              "warmup_steps": train.warmup_steps, "lr": train.lr,
+    record = {"side": side, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "torch": torch.__version__, "fla": _fla_version(), "config": str(work / CONFIG_COPY),
+              "steps": train.steps, "warmup_steps": train.warmup_steps, "lr": train.lr,
               "batch": f"{train.batch_size} x {train.seq_len} in micro-batches of {train.microbatch_rows}",
               "fla_guard_lifted": guard_lifted, "param_groups": group_summary(optimizer),
               "loss": [], "grad_norm": [], "lr_at": [], "step_s": []}
@@ -201,8 +202,9 @@ def train_run(work: Path, side: str, steps: int, warmup: int, lr, out: Path) -> 
         record["lr_at"].append(lr_now)
         record["step_s"].append(time.perf_counter() - start)
         if step % 10 == 0 or step == train.steps - 1:
-            print(f"{side} step {step} | loss {record['loss'][-1]:.4f} | grad_norm {record['grad_norm'][-1]:.3f} "
-                  f"| lr {lr_now:.2e} | {record['step_s'][-1]:.2f} s", flush=True)
+            print(f"{side} step {step} | loss {record['loss'][-1]:.4f} | grad_norm "
+                  f"{record['grad_norm'][-1]:.3f} | lr {lr_now:.2e} | {record['step_s'][-1]:.2f} s",
+                  flush=True)
             out.write_text(json.dumps(record))  # a run stopped part-way keeps what it did
     record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     out.write_text(json.dumps(record))
@@ -260,9 +262,9 @@ def gradients(work_dir: str, tokens: int, out: str) -> None:
         names = [n for n in ours_err if n.endswith(kind) or n == kind]
         by_kind[kind] = {"ours_max": max(ours_err[n] for n in names),
                          "fla_max": max(fla_err.get(n, math.inf) for n in names)}
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fla": _fla_version(), "tokens": tokens,
-              "fla_guard_lifted": guard_lifted, "loss": {"fp32": reference_loss, "ours_bf16": ours_loss,
-                                                          "fla_bf16": fla_loss},
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fla": _fla_version(),
+              "tokens": tokens, "fla_guard_lifted": guard_lifted,
+              "loss": {"fp32": reference_loss, "ours_bf16": ours_loss, "fla_bf16": fla_loss},
               "missing_in_fla": sorted(set(reference) - set(fla)), "by_kind": by_kind,
               "ours_max": max(ours_err.values()), "fla_max": max(fla_err.values())}
     for kind, row_ in by_kind.items():
@@ -283,7 +285,8 @@ def compare(args) -> int:
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     after = [abs(d) for d in diff[args.settle:]] or [0.0]
     result = {"steps_compared": n, "last": last,
-              "mean_last_ours": mean(ours["loss"][n - last:n]), "mean_last_fla": mean(fla["loss"][n - last:n]),
+              "mean_last_ours": mean(ours["loss"][n - last:n]),
+              "mean_last_fla": mean(fla["loss"][n - last:n]),
               "max_abs_diff_after_settle": max(after), "settle": args.settle,
               "step_of_max_diff": args.settle + after.index(max(after)),
               "ours_step_s": mean(ours["step_s"][5:n]) if n > 5 else None,
@@ -291,7 +294,8 @@ def compare(args) -> int:
               "param_groups": {"ours": ours["param_groups"], "fla": fla["param_groups"]},
               "device": ours["device"], "fla_guard_lifted": fla["fla_guard_lifted"]}
     result["mean_last_diff"] = result["mean_last_ours"] - result["mean_last_fla"]
-    ok = abs(result["mean_last_diff"]) <= args.mean_tol and result["max_abs_diff_after_settle"] <= args.step_tol
+    ok = (abs(result["mean_last_diff"]) <= args.mean_tol
+          and result["max_abs_diff_after_settle"] <= args.step_tol)
     result["within_criteria"] = ok
     print(json.dumps({k: v for k, v in result.items() if k != "param_groups"}, indent=1))
     if args.out:

@@ -8,4 +8,5 @@ import gdn_parallel.data.prepare as moved  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(moved.main())
-sys.modules[__name__] = moved  # `import tools.prepare_data` is the package's module: patching it patches the tool
+# `import tools.prepare_data` is the package's module: patching it patches the tool
+sys.modules[__name__] = moved

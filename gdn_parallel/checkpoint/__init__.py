@@ -9,5 +9,5 @@ from .loading import load as load_checkpoint
 from .loading import read_trainer_state, resolve_resume
 from .manager import CheckpointSaver
 
-__all__ = ["CheckpointError", "CheckpointSaver", "CheckpointWriteError", "complete_checkpoints", "latest_checkpoint",
-           "load_checkpoint", "read_trainer_state", "resolve_resume"]
+__all__ = ["CheckpointError", "CheckpointSaver", "CheckpointWriteError", "complete_checkpoints",
+           "latest_checkpoint", "load_checkpoint", "read_trainer_state", "resolve_resume"]

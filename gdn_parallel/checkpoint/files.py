@@ -54,6 +54,11 @@ def is_complete(path: Path) -> bool:
 
 def complete_checkpoints(out_dir: str) -> list[Path]:
     """Complete checkpoints under out_dir, oldest first."""
+    return [path for _, path in _complete_steps(out_dir)]
+
+
+def _complete_steps(out_dir: str) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints under out_dir, oldest first."""
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
         return []
@@ -62,7 +67,7 @@ def complete_checkpoints(out_dir: str) -> list[Path]:
         match = _STEP_DIR.match(path.name)
         if match and path.is_dir() and is_complete(path):
             found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+    return sorted(found)
 
 
 def latest_checkpoint(out_dir: str) -> Path | None:
@@ -93,7 +98,7 @@ def prune(out_dir: str, keep: int) -> list[Path]:
 def set_aside_after(out_dir: str, step: int) -> list[Path]:
     """Move the complete checkpoints of out_dir past `step` (an abandoned line, after a rollback to
     `step`) to checkpoints/abandoned/<time>/; returns where they went (rank 0, before training)."""
-    later = [path for path in complete_checkpoints(out_dir) if step_of(path) > step]
+    later = [path for number, path in _complete_steps(out_dir) if number > step]
     if not later:
         return []
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -110,9 +110,9 @@ def find_damage(directory: Path, names: Sequence[str], recorded: dict[str, dict]
         else:
             present.append(name)
     for name, found in checksums(Path(directory), present).items():
-        expected = [list(piece) for piece in recorded[name]["sum64"]]
-        wrong = [i for i, (a, b) in enumerate(zip(found["sum64"], expected)) if a != b]
-        if wrong or len(found["sum64"]) != len(expected):
+        expected_sums = [list(piece) for piece in recorded[name]["sum64"]]
+        wrong = [i for i, (a, b) in enumerate(zip(found["sum64"], expected_sums)) if a != b]
+        if wrong or len(found["sum64"]) != len(expected_sums):
             first = wrong[0] if wrong else 0
             where = f"bytes {first * PIECE_BYTES}..{min(found['size'], (first + 1) * PIECE_BYTES)}"
             damage.append(Damage(name, f"checksum mismatch ({where}): the file changed after it was written"))

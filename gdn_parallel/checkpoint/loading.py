@@ -9,6 +9,7 @@ saying so, and takes the newest that passes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Callable
@@ -20,8 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, ModelConfig
+from ..model import architecture_differences
 from . import files, integrity, ranks
 from .errors import CheckpointError, CheckpointUnreadable
 from .reading import (
@@ -74,9 +77,9 @@ def verify(path: Path, data: bool = True) -> str | None:
 
 def nothing_verifies(out_dir: str) -> CheckpointError:
     count = len(files.complete_checkpoints(out_dir))
-    return CheckpointError(f"--resume auto: none of the {count} checkpoint(s) under {files.checkpoints_dir(out_dir)} "
-                           f"verifies (listed above); restore one from a copy, or start a new run in another "
-                           f"train.out_dir")
+    return CheckpointError(f"--resume auto: none of the {count} checkpoint(s) under "
+                           f"{files.checkpoints_dir(out_dir)} verifies (listed above); restore one from a "
+                           f"copy, or start a new run in another train.out_dir")
 
 
 class CheckpointDamaged(CheckpointError):
@@ -91,7 +94,10 @@ class CheckpointDamaged(CheckpointError):
 def newest_verifying(out_dir: Path, before: int | None = None) -> Path | None:
     """The newest complete checkpoint under out_dir (older than step `before`) that verifies."""
     for path in reversed(files.complete_checkpoints(str(out_dir))):
-        if before is not None and files.step_of(path) >= before:
+        step = files.step_of(path)
+        if step is None:  # complete_checkpoints lists step_<N> directories only
+            raise CheckpointError(f"{path} is listed as a checkpoint but is not a step_<N> directory")
+        if before is not None and step >= before:
             continue
         if verify(path) is None:
             return path
@@ -186,8 +192,8 @@ def _alternative(path: Path) -> str:
     if step is None or path.parent.name != files.CHECKPOINTS:
         return "take another checkpoint"
     newest = newest_verifying(path.parent.parent, before=step)
-    return (f"the newest earlier checkpoint that verifies is {newest} (--resume {newest})" if newest is not None
-            else f"no earlier checkpoint of {path.parent.parent} verifies")
+    return (f"the newest earlier checkpoint that verifies is {newest} (--resume {newest})"
+            if newest is not None else f"no earlier checkpoint of {path.parent.parent} verifies")
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -196,23 +202,31 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
         saved = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise CheckpointUnreadable(f"{file} cannot be read as JSON ({type(err).__name__}: {err}); the checkpoint is "
-                                   f"damaged: take another one") from None
-    if not (isinstance(saved, dict) and isinstance(saved.get("step"), int) and isinstance(saved.get("config"), dict)
+        raise CheckpointUnreadable(f"{file} cannot be read as JSON ({type(err).__name__}: {err}); the "
+                                   f"checkpoint is damaged: take another one") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("step"), int)
+            and isinstance(saved.get("config"), dict)
             and isinstance(saved.get("data", {}).get("stream"), dict)):
-        raise CheckpointUnreadable(f"{file} lacks the step, config or data position a gdn_parallel checkpoint records")
+        raise CheckpointUnreadable(f"{file} lacks the step, config or data position a gdn_parallel "
+                                   f"checkpoint records")
     return saved
 
 
 def check_compatible(saved: dict[str, Any], config: Config) -> None:
-    """The model a checkpoint holds must be the configured one: name every differing model field."""
-    saved_model = saved.get("config", {}).get("model", {})
-    current = config.to_dict()["model"]
-    # Fields that do not change the parameters may differ (an implementation, a fused loss).
-    free = {"gdn_impl", "attn_impl", "fused_linear_cross_entropy", "initializer_range"}
-    differing = sorted(k for k in current if k not in free and saved_model.get(k) != current[k])
+    """The model a checkpoint holds must be the configured one: the same resolved architecture
+    (model/architecture.py, the converters' rule), so what does not decide the weights may differ
+    (implementations, the GDN chunk size, init; the attention fields of a model without attention).
+    Names every differing setting."""
+    saved_fields = saved.get("config", {}).get("model", {})
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:  # a field the package no longer has decides nothing here; one it gained takes its default
+        saved_model = Config.from_dict({"model": {k: v for k, v in saved_fields.items() if k in known}}).model
+    except ConfigError as err:
+        raise ConfigError(f"the checkpoint's model config cannot be read here ({err}); resume with the "
+                          f"package version that saved it or start a new train.out_dir") from None
+    differing = architecture_differences(saved_model, config.model)
     if differing:
-        details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r}, config {current[k]!r}" for k in differing)
+        details = ", ".join(f"{key}: checkpoint {a!r}, config {b!r}" for key, (a, b) in differing.items())
         raise ConfigError(f"the checkpoint holds another model ({details}); resume with the config it was "
                           f"saved with (its config.yaml) or start a new train.out_dir")
 
@@ -223,13 +237,18 @@ def _check_index(path: Path, targets: dict[str, torch.Tensor]) -> None:
     missing = sorted(key for key in targets if key not in entries)
     if missing:
         named = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
-        raise CheckpointUnreadable(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs ({named}); "
-                                   f"the checkpoint is incomplete: take another one")
-    wrong = [f"{key}: {tuple(entries[key].size)} saved, {tuple(t.shape)} here" for key, t in targets.items()
-             if tuple(entries[key].size) != tuple(t.shape)]
+        raise CheckpointUnreadable(f"{path}/{'.metadata'} lacks {len(missing)} tensor(s) the run needs "
+                                   f"({named}); the checkpoint is incomplete: take another one")
+    wrong = [f"{key}: {_saved_shape(entries[key])} saved, {tuple(t.shape)} here" for key, t in targets.items()
+             if _saved_shape(entries[key]) != tuple(t.shape)]
     if wrong:
         raise CheckpointError(f"{path} holds tensors of other shapes ({'; '.join(wrong[:3])}); it is not a "
                               f"checkpoint of this model")
+
+
+def _saved_shape(entry: TensorStorageMetadata | BytesStorageMetadata) -> tuple[int, ...] | str:
+    """The global shape an index entry records; an entry saved as bytes (no tensor) says so."""
+    return tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "no tensor (bytes)"
 
 
 def load(path: Path, named_params: list[tuple[str, nn.Parameter]], optimizer, dims, config: Config,
@@ -257,7 +276,8 @@ def load(path: Path, named_params: list[tuple[str, nn.Parameter]], optimizer, di
     with ThreadPoolExecutor(1) as pool:
         checking = pool.submit(_local_damage, path, recorded, True)
         try:
-            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)), planner=TensorsOnlyLoadPlanner())
+            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)),
+                     planner=TensorsOnlyLoadPlanner())
         except (Exception, CheckpointException) as err:   # DCP raises on every rank, with every rank's cause
             failure = err
         problem = _first(checking.result())
@@ -279,8 +299,8 @@ def _read_rng(file: Path) -> dict:
     try:
         state = load_tensors_file(file)
     except Exception as err:
-        raise CheckpointError(f"{file} is not an RNG state file that can be read safely ({ranks.describe(err)})") \
-            from None
+        raise CheckpointError(f"{file} is not an RNG state file that can be read safely "
+                              f"({ranks.describe(err)})") from None
     ok = (isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor)
           and isinstance(state.get("python"), tuple))
     if not ok:

@@ -26,12 +26,13 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from ..config import Config
+from ..parallel.mesh import MESH_DIMS
 from . import files, integrity, ranks
 from .errors import CheckpointWriteError
 from .state import state_to_save
 
 FORMAT_VERSION = 1
-LAYOUT_DEGREES = ("tp", "pp", "cp", "dp")
+LAYOUT_DEGREES = MESH_DIMS   # a layout record names the degrees of the mesh's dimensions
 
 
 def rng_state() -> dict:
@@ -47,7 +48,8 @@ def layout_record(config: Config, world: int) -> dict:
     checkpoint (all 1 for one process, whatever degrees its config names)."""
     pc = config.parallel
     degrees = {name: getattr(pc, name) if world > 1 else 1 for name in LAYOUT_DEGREES}
-    return {"world_size": world, **degrees, "data_parallel": pc.data_parallel, "cp_algorithm": pc.cp_algorithm}
+    return {"world_size": world, **degrees, "data_parallel": pc.data_parallel,
+            "cp_algorithm": pc.cp_algorithm}
 
 
 def checkpoint_record(step: int, config: Config, world: int, data_stream: dict[str, Any],
@@ -99,11 +101,12 @@ class CheckpointSaver:
     save is published (renamed complete) once it has finished, at the latest by the next save or by
     `finish()`. Old complete checkpoints beyond `keep` are deleted as new ones are published."""
 
-    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False, timeout: timedelta | None = None,
-                 attachments: dict[str, bytes] | None = None):
+    def __init__(self, out_dir: str, keep: int = 0, async_save: bool = False,
+                 timeout: timedelta | None = None, attachments: dict[str, bytes] | None = None):
         self.out_dir, self.keep, self.async_save = out_dir, keep, async_save
         self.attachments = dict(attachments or {})   # files every checkpoint of the run carries (seal)
-        self._pending: tuple[Any, int, dict, Config] | None = None   # an async save: future, step, record, config
+        # an async save in flight: its future, step, record and config
+        self._pending: tuple[Any, int, dict, Config] | None = None
         self.published: list[Path] = []
         # An asynchronous save coordinates the ranks (plan gather, metadata, barrier) from a background
         # thread while training goes on. On the training collectives' group the two threads' calls
@@ -112,13 +115,14 @@ class CheckpointSaver:
         # of staged CPU copies; also when training runs on NCCL). Every rank builds the saver, so
         # every rank takes part in creating the group. A new group does not inherit the default
         # group's timeout: it is given the run's.
-        self._save_group = (dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+        self._save_group = (dist.new_group(backend="gloo", timeout=timeout or None)
                             if async_save and dist.is_initialized() and dist.get_world_size() > 1 else None)
 
     def save(self, step: int, named_params: list[tuple[str, nn.Parameter]], optimizer, dims, config: Config,
-             data_stream: dict[str, Any], **extra: Any) -> None:
-        """Write checkpoint `step` (completed optimizer steps) of the run `config` describes.
-        data_stream: the stream's position (the same on every rank); extra: more trainer_state.json entries."""
+             data_stream: dict[str, Any], **extra: Any) -> Path:
+        """Write checkpoint `step` (completed optimizer steps) of the run `config` describes; returns the
+        path it is published at (an asynchronous save: will be, once written). data_stream: the stream's
+        position (the same on every rank); extra: more trainer_state.json entries."""
         self.finish()  # one save in flight at a time
         partial = files.partial_path(self.out_dir, step)
         state = state_to_save(named_params, optimizer, dims)
@@ -136,11 +140,12 @@ class CheckpointSaver:
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group)
                 self._pending = (future, step, record, config)
-                return
+                return files.final_path(self.out_dir, step)
             dcp.save(state, checkpoint_id=str(partial))
         except (Exception, CheckpointException) as err:   # DCP raises on every rank alike
             raise self._failed(step, err) from None
         self._publish(step, record, config)
+        return files.final_path(self.out_dir, step)
 
     def poll(self) -> None:
         """Publish a finished asynchronous save (cheap; call once per step). Every rank must call it at
@@ -190,8 +195,8 @@ class CheckpointSaver:
         needed = _checkpoint_bytes(self.out_dir)
         if ranks.rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        free = shutil.disk_usage(files.checkpoints_dir(self.out_dir) if files.checkpoints_dir(self.out_dir).is_dir()
-                                 else self.out_dir).free
+        checkpoints = files.checkpoints_dir(self.out_dir)
+        free = shutil.disk_usage(checkpoints if checkpoints.is_dir() else self.out_dir).free
         newest = files.latest_checkpoint(self.out_dir)
         return CheckpointWriteError(
             f"saving checkpoint {files.final_path(self.out_dir, step)} failed: {cause}. "

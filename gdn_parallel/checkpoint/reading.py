@@ -71,14 +71,15 @@ def read_metadata(path) -> Metadata:
     try:
         data = file.read_bytes()
     except OSError as err:
-        raise CheckpointUnreadable(f"{file} cannot be read ({err.strerror or err}); the checkpoint is incomplete: "
-                                   f"copy the whole directory or take another checkpoint") from None
+        raise CheckpointUnreadable(f"{file} cannot be read ({err.strerror or err}); the checkpoint is "
+                                   f"incomplete: copy the whole directory or take another "
+                                   f"checkpoint") from None
     try:
         metadata = _IndexUnpickler(io.BytesIO(data)).load()
     except Exception as err:  # a torn file ends in any of several errors: name the file, not the pickle
-        raise CheckpointUnreadable(f"{file} is not a checkpoint index that can be read safely ({type(err).__name__}: "
-                                   f"{err}); the file is damaged or was not written by torch.distributed.checkpoint") \
-            from None
+        raise CheckpointUnreadable(f"{file} is not a checkpoint index that can be read safely "
+                                   f"({type(err).__name__}: {err}); the file is damaged or was not written "
+                                   f"by torch.distributed.checkpoint") from None
     _check_form(metadata, file)
     return metadata
 
@@ -88,26 +89,27 @@ def _check_form(metadata: Any, file: Path) -> None:
         raise CheckpointUnreadable(f"{file} does not hold a torch.distributed.checkpoint index")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(key, str) or not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointUnreadable(f"{file}: entry {key!r} is a {type(entry).__name__}, not a tensor; gdn_parallel "
-                                       f"checkpoints hold tensors only (other entries would be unpickled)")
+            raise CheckpointUnreadable(f"{file}: entry {key!r} is a {type(entry).__name__}, not a tensor; "
+                                       f"gdn_parallel checkpoints hold tensors only (other entries would "
+                                       f"be unpickled)")
     if not isinstance(metadata.storage_data, dict):
         raise CheckpointUnreadable(f"{file} has no storage table")
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _DATA_FILE.match(name):
-            raise CheckpointUnreadable(f"{file} points at the data file {name!r}; only __<rank>_<n>.distcp files inside "
-                                       f"the checkpoint are read")
+            raise CheckpointUnreadable(f"{file} points at the data file {name!r}; only __<rank>_<n>.distcp "
+                                       f"files inside the checkpoint are read")
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointUnreadable(f"{file} asks for storage transforms {info.transform_descriptors}; gdn_parallel "
-                                       f"checkpoints are written without any")
+            raise CheckpointUnreadable(f"{file} asks for storage transforms {info.transform_descriptors}; "
+                                       f"gdn_parallel checkpoints are written without any")
 
 
 def unreadable_tensors(path, names) -> str | None:
     """What is wrong in data files `names` of checkpoint `path`, read as DCP's reader reads them but
     without a model to load into: each item of the index in those files, one at a time, must be a
     tensor that torch's weights_only loader reads. None when every item is."""
-    items = sorted((info.relative_path, info.offset, info.length) for info in read_metadata(path).storage_data.values()
-                   if info.relative_path in names)
+    items = sorted((info.relative_path, info.offset, info.length)
+                   for info in read_metadata(path).storage_data.values() if info.relative_path in names)
     for name, offset, length in items:
         file = Path(path) / name
         try:
@@ -136,9 +138,10 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path}: per-rank indexes (written without collectives) are not read")
         metadata = read_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
 
     def read_data(self, plan, planner):
@@ -159,7 +162,8 @@ class SafeFileSystemReader(FileSystemReader):
         except CheckpointError:
             raise
         except Exception as err:
-            raise CheckpointUnreadable(unsafe_tensor_data(opened[-1] if opened else "a data file", err)) from None
+            raise CheckpointUnreadable(unsafe_tensor_data(opened[-1] if opened else "a data file",
+                                                          err)) from None
         finally:
             del self.fs.create_stream
 
@@ -168,5 +172,5 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, refusing a non-tensor item instead of unpickling it."""
 
     def load_bytes(self, read_item, value) -> None:
-        raise CheckpointUnreadable(f"the checkpoint holds a non-tensor entry {read_item.dest_index.fqn!r}; it is not "
-                                   f"unpickled")
+        raise CheckpointUnreadable(f"the checkpoint holds a non-tensor entry {read_item.dest_index.fqn!r}; "
+                                   f"it is not unpickled")

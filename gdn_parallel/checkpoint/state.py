@@ -63,7 +63,8 @@ def state_to_save(named_params: list[tuple[str, nn.Parameter]], optimizer: torch
     return state
 
 
-def _check_optimizer_covers(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
+def _check_optimizer_covers(named_params: list[tuple[str, nn.Parameter]],
+                            optimizer: torch.optim.Optimizer) -> None:
     """Once the optimizer has stepped, every parameter saved must be one it holds state for: a
     parameter object it does not know (FSDP2's unsharded form left exposed, say) would leave its
     slots out of the checkpoint, which could then never be resumed. Fail the save instead."""
@@ -71,10 +72,10 @@ def _check_optimizer_covers(named_params: list[tuple[str, nn.Parameter]], optimi
         return  # before the first step: no slots anywhere
     unknown = [name for name, param in named_params if not optimizer.state.get(param)]
     if unknown:
-        raise RuntimeError(f"no optimizer state for {len(unknown)} parameter(s) being saved ({', '.join(unknown[:4])}"
-                           f"{', ...' if len(unknown) > 4 else ''}): the module exposes other tensors than the "
-                           f"optimizer's parameters (an FSDP2 module left unsharded?); the checkpoint would "
-                           f"not resume, so it is not written")
+        raise RuntimeError(f"no optimizer state for {len(unknown)} parameter(s) being saved "
+                           f"({', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''}): the module "
+                           f"exposes other tensors than the optimizer's parameters (an FSDP2 module left "
+                           f"unsharded?); the checkpoint would not resume, so it is not written")
 
 
 def targets_to_load(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
@@ -101,8 +102,8 @@ def _copy_into(destination: torch.Tensor, source: torch.Tensor) -> None:
     if isinstance(source, DTensor):
         source = source.to_local()
     if isinstance(destination, DTensor):  # FSDP2: keep this rank's shard of the piece
-        source = distribute_tensor(source.to(destination.device), destination.device_mesh, destination.placements,
-                                   src_data_rank=None).to_local()
+        source = distribute_tensor(source.to(destination.device), destination.device_mesh,
+                                   destination.placements, src_data_rank=None).to_local()
         destination = destination.to_local()
     destination.copy_(source.to(destination.device, destination.dtype))
 

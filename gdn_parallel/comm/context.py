@@ -75,9 +75,9 @@ class CPContext:
         if cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must start at 0 and be strictly increasing, got {cu}")
         if cu[-1] != total:
-            raise ValueError(f"cu_seqlens ends at {cu[-1]} but the CP group holds {size} shards of {local_len} "
-                             f"tokens = {total}: pass the global boundaries of the whole row, whose length "
-                             f"must be divisible by the CP degree")
+            raise ValueError(f"cu_seqlens ends at {cu[-1]} but the CP group holds {size} shards of "
+                             f"{local_len} tokens = {total}: pass the global boundaries of the whole row, "
+                             f"whose length must be divisible by the CP degree")
         return cls(group, rank, size, cu, local_len, algorithm,
                    torch.device(device) if device is not None else torch.device("cpu"))
 
@@ -200,9 +200,9 @@ def sends_finished(plans: Iterable[CPContext | None]):
     """The extent of one step: when the block ends, every send started under these plans (None: a
     row without context parallelism) has completed. After an error nothing is waited for: a peer
     that failed would never post its receive."""
-    plans = [plan for plan in plans if plan is not None]
+    active = [plan for plan in plans if plan is not None]
     yield
-    for plan in plans:
+    for plan in active:
         plan.finish()
 
 
@@ -211,8 +211,8 @@ def shard_bounds(total: int, cp_size: int, cp_rank: int, field_name: str = "the 
     if cp_size < 1:
         raise ValueError(f"parallel.cp={cp_size} must be >= 1")
     if total < cp_size:
-        raise ValueError(f"{field_name} = {total} leaves CP shards shorter than one token at parallel.cp={cp_size}; "
-                         f"lower parallel.cp or lengthen the sequence")
+        raise ValueError(f"{field_name} = {total} leaves CP shards shorter than one token at "
+                         f"parallel.cp={cp_size}; lower parallel.cp or lengthen the sequence")
     if total % cp_size:
         raise ValueError(f"{field_name} = {total} is not divisible by parallel.cp={cp_size}; choose a length "
                          f"that is a multiple of the CP degree (no padding is added)")

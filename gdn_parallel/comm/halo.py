@@ -25,5 +25,8 @@ def exchange_halo(cp: CPContext, x: torch.Tensor, width: int, *anchors: torch.Te
         token = send_to_next(cp, x[:, L - h_out:])
     halo = incoming.wait(x, *anchors) if incoming is not None else None
     if h_out > L:       # multi-hop: forward part of what we received
+        if halo is None:
+            raise RuntimeError(f"CP rank {cp.rank} forwards {h_out - L} received halo tokens to rank "
+                               f"{cp.rank + 1} but received none")
         token = send_to_next(cp, torch.cat([halo, x], dim=1)[:, -h_out:])
     return halo, token

@@ -47,7 +47,7 @@ class PendingRecv:
         return _ReceivedFromPrev.apply(self.buffer, self.cp, *anchors)
 
 
-def post_recv_from_prev(cp: CPContext, shape, dtype, device) -> PendingRecv | None:
+def post_recv_from_prev(cp: CPContext, shape, dtype, device) -> PendingRecv:
     return PendingRecv(cp, shape, dtype, device)
 
 
@@ -70,8 +70,9 @@ class StateRelay:
         self.receives, self.sends = incoming is not None, cp.continues_to_next
 
     def receive_state(self) -> torch.Tensor:
-        self.incoming._wait()
-        return self.incoming.buffer
+        incoming = self._incoming()
+        incoming._wait()
+        return incoming.buffer
 
     def send_state(self, state: torch.Tensor) -> None:
         _isend(self.cp, state.detach().contiguous(), self.cp.rank + 1)
@@ -84,7 +85,13 @@ class StateRelay:
         return grad
 
     def send_state_grad(self, grad: torch.Tensor) -> None:
-        _isend(self.cp, grad.detach().to(self.incoming.buffer.dtype).contiguous(), self.cp.rank - 1)
+        _isend(self.cp, grad.detach().to(self._incoming().buffer.dtype).contiguous(), self.cp.rank - 1)
+
+    def _incoming(self) -> PendingRecv:
+        if self.incoming is None:
+            raise RuntimeError(f"CP rank {self.cp.rank} receives no state (no document continues from rank "
+                               f"{self.cp.rank - 1}), yet one was asked for (relay.receives is False)")
+        return self.incoming
 
 
 def tie(output: torch.Tensor, token: torch.Tensor | None) -> torch.Tensor:

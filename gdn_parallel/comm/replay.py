@@ -57,7 +57,7 @@ def record(message: torch.Tensor) -> None:
         state[0].messages.append(message)
 
 
-def replay() -> torch.Tensor | None:
+def replay() -> torch.Tensor:
     """The next logged message of the block being recomputed."""
     log = _active.value[0]
     if log.read >= len(log.messages):

@@ -19,4 +19,5 @@ docs/convert.md: the commands, the name map, what is refused, the reshard report
 from .commands import from_hf, from_torch, model_from_checkpoint, model_from_hf, to_hf, to_torch
 from .errors import ConvertError
 
-__all__ = ["ConvertError", "from_hf", "from_torch", "model_from_checkpoint", "model_from_hf", "to_hf", "to_torch"]
+__all__ = ["ConvertError", "from_hf", "from_torch", "model_from_checkpoint", "model_from_hf", "to_hf",
+           "to_torch"]

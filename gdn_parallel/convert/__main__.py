@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gdn-convert", description="Convert gdn_parallel checkpoints to and from Hugging Face "
         "(flash-linear-attention) folders and torch files, or check one under another layout.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    dtype = dict(choices=[KEEP, *DTYPES], default=KEEP, help="cast floating tensors (default: keep their dtype)")
+    dtype = dict(choices=[KEEP, *DTYPES], default=KEEP,
+                 help="cast floating tensors (default: keep their dtype)")
     target = dict(default=None, metavar="FILE", help="the training config the new checkpoint is resumed with "
                   "(its model must match the weights; its data section fixes the data stream); default: the "
                   "source's model with default sections (required for a bare state dict)")
@@ -45,11 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf = commands.add_parser("to-hf", help="checkpoint -> flash-linear-attention GatedDeltaNetForCausalLM "
                                 "folder")
     to_hf.add_argument("checkpoint", **checkpoint)
-    to_hf.add_argument("out_dir", help="the folder to create (config.json, *.safetensors, generation_config.json and "
-                       "the checkpoint's tokenizer: docs/convert.md); must not exist")
+    to_hf.add_argument("out_dir", help="the folder to create (config.json, *.safetensors, "
+                       "generation_config.json and the checkpoint's tokenizer: docs/convert.md); must not "
+                       "exist")
     to_hf.add_argument("--dtype", **dtype)
     to_hf.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
-                       help=f"largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_SHARD_SIZE})")
+                       help=f"largest safetensors shard, e.g. 5GB, 500MB, 2GiB "
+                            f"(default {DEFAULT_SHARD_SIZE})")
 
     to_torch = commands.add_parser("to-torch", help="checkpoint -> one torch file {'model', 'config'}")
     to_torch.add_argument("checkpoint", **checkpoint)
@@ -57,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_torch.add_argument("--dtype", **dtype)
 
     for name, source, source_help, help_text in (
-            ("from-hf", "hf_dir", "a folder with config.json (model_type gated_deltanet) and model.safetensors "
-             "or shards with their index", "Hugging Face folder (ours or fla's) -> step-0 checkpoint"),
+            ("from-hf", "hf_dir", "a folder with config.json (model_type gated_deltanet) and "
+             "model.safetensors or shards with their index",
+             "Hugging Face folder (ours or fla's) -> step-0 checkpoint"),
             ("from-torch", "file", "a file written by to-torch, or torch.save(state_dict) with --config",
              "torch file (to-torch's, or a bare state dict with --config) -> step-0 checkpoint")):
         into = commands.add_parser(name, help=help_text)
@@ -68,16 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
         into.add_argument("--set", **override)
         into.add_argument("--dtype", **dtype)
 
-    reshard = commands.add_parser("reshard", help="load a checkpoint under a layout (under torchrun) and check "
-                                  "every tensor landed")
+    reshard = commands.add_parser("reshard", help="load a checkpoint under a layout (under torchrun) and "
+                                  "check every tensor landed")
     reshard.add_argument("checkpoint", **checkpoint)
     reshard.add_argument("--layout", required=True, metavar="tp=T,pp=P,cp=C,dp=D",
                          help="degrees (those not named are 1) and any other parallel.* field")
     reshard.add_argument("--out", default=None, metavar="DIR",
-                         help="save it again from this layout into DIR/checkpoints/step_<N>, with DIR/config.yaml "
-                              "to resume it (train.batch_size per replica rescaled to keep the global batch)")
-    reshard.add_argument("--set", **{**override, "help": "with --out: a train/checkpoint/log field of the written "
-                                                         "config.yaml, e.g. --set train.microbatch_size=1"})
+                         help="save it again from this layout into DIR/checkpoints/step_<N>, with "
+                              "DIR/config.yaml to resume it (train.batch_size per replica rescaled to keep "
+                              "the global batch)")
+    reshard.add_argument("--set", **{**override,
+                                     "help": "with --out: a train/checkpoint/log field of the written "
+                                             "config.yaml, e.g. --set train.microbatch_size=1"})
     reshard.add_argument("--report", default="reshard_report.json", metavar="FILE",
                          help="the JSON report rank 0 writes (default ./reshard_report.json)")
     return parser

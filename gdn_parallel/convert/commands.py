@@ -18,7 +18,7 @@ from ..config import Config, ConfigError, ModelConfig
 from ..data import TokenBatches, check_vocabulary, load_dataset
 from ..data.dataset import data_field
 from ..data.tokenizer_record import TOKENIZER_INFO, tokenizer_files
-from ..model import HybridLM
+from ..model import HybridLM, check_layers
 from .atomic import new_directory, new_file
 from .dcp_io import read_model, write_checkpoint
 from .errors import ConvertError
@@ -61,6 +61,7 @@ def _checkpoint_model(path) -> tuple:
     try:
         model = Config.from_dict({"model": saved["config"]["model"]}).model
         model.validate()
+        check_layers(model)
     except ConfigError as err:
         raise ConvertError(f"{checkpoint}: its config.model is not valid here: {err}") from None
     check_tensors(tensors, model, str(checkpoint))
@@ -107,6 +108,7 @@ def target_config(source_model: ModelConfig | None, source_name: str, config_fil
         config = config.with_overrides(list(overrides)) if overrides else config
         target_name = "--set" if overrides else "the derived config"
     config.validate()
+    check_layers(config.model, config.parallel.tp)
     if source_model is not None:
         require_same_architecture(source_model, config.model, source_name, target_name,
                                   fix="give a --config whose model matches the weights")
@@ -124,7 +126,8 @@ def data_stream_start(config: Config, dataset=None) -> dict:
 
 
 def _write_new_checkpoint(out, tensors: dict[str, torch.Tensor], source_model: ModelConfig, source_name: str,
-                          config_file, overrides, dtype: str, source: dict, tokenizer: dict | None = None) -> Path:
+                          config_file, overrides, dtype: str, source: dict,
+                          tokenizer: dict | None = None) -> Path:
     """`tokenizer`: what made the source's ids, when it says (the new checkpoint's data must be made by
     it too); the checkpoint carries its data's tokenizer, as the trainer's do."""
     check_tensors(tensors, source_model, source_name)
@@ -133,8 +136,8 @@ def _write_new_checkpoint(out, tensors: dict[str, torch.Tensor], source_model: M
     attachments = tokenizer_files(dataset)
     data_info = json.loads(attachments[TOKENIZER_INFO]) if TOKENIZER_INFO in attachments else None
     require_same_tokenizer(tokenizer, data_info, source_name, data_field(config.data))
-    return write_checkpoint(Path(out), cast(tensors, dtype), config, data_stream_start(config, dataset), source,
-                            attachments)
+    return write_checkpoint(Path(out), cast(tensors, dtype), config, data_stream_start(config, dataset),
+                            source, attachments)
 
 
 def from_hf(hf_dir, out_checkpoint, config_file: str | None = None, overrides: Sequence[str] = (),
@@ -183,8 +186,8 @@ def read_torch_file(path) -> tuple:
         raise ConvertError(f"{path} is not a file: give a torch file written by `gdn-convert to-torch` (or a "
                            f"state dict saved with torch.save, with --config)")
     if is_safetensors(path):
-        raise ConvertError(f"{path} is a safetensors file: convert the Hugging Face folder that holds it (with its "
-                           f"config.json) with from-hf")
+        raise ConvertError(f"{path} is a safetensors file: convert the Hugging Face folder that holds it "
+                           f"(with its config.json) with from-hf")
     try:
         data = load_tensors_file(path, map_location="cpu")
     except Exception as err:  # damaged bytes end in many error types: name the file, not the unpickler
@@ -194,12 +197,14 @@ def read_torch_file(path) -> tuple:
         return None, dict(data)
     if not (isinstance(data, dict) and set(TORCH_KEYS) <= set(data) and isinstance(data["config"], dict)
             and _is_state_dict(data["model"])):
-        found = listed([repr(k) for k in sorted(data, key=str)]) if isinstance(data, dict) else type(data).__name__
-        raise ConvertError(f"{path} is neither a state dict nor the to-torch form {{'model': state dict, 'config': "
-                           f"model config}} (found {found})")
+        found = (listed([repr(k) for k in sorted(data, key=str)]) if isinstance(data, dict)
+                 else type(data).__name__)
+        raise ConvertError(f"{path} is neither a state dict nor the to-torch form {{'model': state dict, "
+                           f"'config': model config}} (found {found})")
     try:
         model = Config.from_dict({"model": data["config"]}).model
         model.validate()
+        check_layers(model)
     except ConfigError as err:
         raise ConvertError(f"{path}: its config is not a valid model config: {err}") from None
     return model, dict(data["model"])
@@ -216,8 +221,8 @@ def from_torch(torch_file, out_checkpoint, config_file: str | None = None, overr
     source_name = str(torch_file)
     if model is None:  # a bare state dict: the model is --config's
         if not config_file:
-            raise ConvertError(f"{torch_file} is a bare state dict ({len(tensors)} tensors) without a model config: "
-                               f"give --config FILE whose model section describes it")
+            raise ConvertError(f"{torch_file} is a bare state dict ({len(tensors)} tensors) without a model "
+                               f"config: give --config FILE whose model section describes it")
         model = target_config(None, "", config_file, overrides).model
         source_name = f"{torch_file} with --config {config_file}"
     tensors = drop_tied_head(tensors, model, source_name)

@@ -37,7 +37,8 @@ ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 def _one_process():
     """DCP warns that it assumes one process whenever no_dist is on: here that is the intent."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore",
+                                message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 
@@ -46,15 +47,16 @@ def resolve_checkpoint(path) -> Path:
     path = Path(path)
     if (path / ".metadata").is_file():
         if not is_complete(path):
-            raise ConvertError(f"{path} is not a complete checkpoint (no {COMPLETE} marker or {TRAINER_STATE}: "
-                               f"an interrupted save?); take a complete step_<N> directory")
+            raise ConvertError(f"{path} is not a complete checkpoint (no {COMPLETE} marker or "
+                               f"{TRAINER_STATE}: an interrupted save?); take a complete step_<N> directory")
         return path
     if path.is_dir():
         newest = latest_checkpoint(str(path))
         if newest is not None:
             return newest
     raise ConvertError(f"{path} {_what_it_is(path)}: give a checkpoint directory (holding .metadata, "
-                       f"{TRAINER_STATE} and {COMPLETE}, e.g. <out_dir>/checkpoints/step_200) or a run's out_dir")
+                       f"{TRAINER_STATE} and {COMPLETE}, e.g. <out_dir>/checkpoints/step_200) or a run's "
+                       f"out_dir")
 
 
 def _what_it_is(path: Path) -> str:
@@ -78,8 +80,8 @@ def tensor_entries(path: Path) -> dict[str, TensorStorageMetadata]:
     data_files = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()} - {None}
     missing = sorted(name for name in data_files if not (path / name).is_file())
     if missing:
-        raise ConvertError(f"{path} is missing data file(s) {missing} that its .metadata lists; copy the whole "
-                           f"checkpoint directory")
+        raise ConvertError(f"{path} is missing data file(s) {missing} that its .metadata lists; copy the "
+                           f"whole checkpoint directory")
     return dict(metadata.state_dict_metadata)
 
 
@@ -89,8 +91,8 @@ def read_tensors(path: Path, entries: dict[str, TensorStorageMetadata],
     targets = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
     if targets:
         with _one_process():
-            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)), planner=TensorsOnlyLoadPlanner(),
-                     no_dist=True)
+            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)),
+                     planner=TensorsOnlyLoadPlanner(), no_dist=True)
     return targets
 
 

@@ -26,6 +26,16 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError, ModelConfig
+from ..model import (
+    FULL_ATTENTION,
+    MIXERS,
+    SLIDING_WINDOW,
+    Attention,
+    GatedDeltaNet,
+    MixerKind,
+    check_layers,
+    mixer_kinds,
+)
 from .errors import ConvertError
 from .hf_tokenizer import special_token_ids
 from .model_tensors import LM_HEAD, drop_tied_head, require_same_architecture
@@ -48,6 +58,26 @@ FLA_DEFAULTS = {
 ATTN_DEFAULTS = {"qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
 
 
+# fla's model has two layer kinds: its GatedDeltaNet layer (the default of every layer) and its Attention
+# layer, whose window (null: full causal) is the spec's. Ours map onto them by the registry's facts (the
+# module a mixer builds, which keys its attention sees), never by symbol.
+def _fla_gdn_kind() -> MixerKind:
+    return next(kind for kind in MIXERS.values() if kind.module is GatedDeltaNet)
+
+
+def _fla_attention_kinds() -> list[MixerKind]:
+    return [kind for kind in MIXERS.values() if kind.module is Attention and kind.attention is not None]
+
+
+def _fla_window(kind: MixerKind, model: ModelConfig) -> int | None:
+    return model.window_size if kind.attention == SLIDING_WINDOW else None
+
+
+def _kind_of_window(window: int | None) -> MixerKind:
+    span = FULL_ATTENTION if window is None else SLIDING_WINDOW
+    return next(kind for kind in _fla_attention_kinds() if kind.attention == span)
+
+
 # ---------------------------------------------------------------------------- names
 def hf_name(name: str) -> str:
     return name if name == LM_HEAD else FLA_PREFIX + name
@@ -57,26 +87,31 @@ def to_hf_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {hf_name(name): tensor for name, tensor in tensors.items()}
 
 
-def from_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+def from_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig,
+                    where: str) -> dict[str, torch.Tensor]:
     """Our names; names outside fla's model keep theirs (the check against the config names them)."""
-    ours = {(name[len(FLA_PREFIX):] if name.startswith(FLA_PREFIX) else name): t for name, t in tensors.items()}
+    ours = {(name[len(FLA_PREFIX):] if name.startswith(FLA_PREFIX) else name): t
+            for name, t in tensors.items()}
     return drop_tied_head(ours, model, where)
 
 
 # ---------------------------------------------------------------------------- ours -> fla
 def format_refusals(model: ModelConfig) -> list[str]:
     """What of `model` fla's GatedDeltaNetForCausalLM cannot express (empty: exportable)."""
-    types, refused = model.layer_types, []
-    if "G" in types and model.conv_bias:
+    kinds, refused = mixer_kinds(model), []
+    fla_kinds = [_fla_gdn_kind(), *_fla_attention_kinds()]
+    refused += [f"{kind.description} layers ({kind.symbol} in model.layer_pattern): fla's model has "
+                f"GatedDeltaNet and Attention layers only" for kind in kinds if kind not in fla_kinds]
+    if _fla_gdn_kind() in kinds and model.conv_bias:
         refused.append("model.conv_bias=true: fla's GatedDeltaNetConfig has no conv_bias field "
                        "(GatedDeltaNetBlock builds its short convolutions without bias)")
-    if "S" in types or "A" in types:
+    if any(kind in kinds for kind in _fla_attention_kinds()):
         if model.attn_output_gate:
             refused.append("model.attn_output_gate=true: fla's Attention layer has no output gate (g_proj)")
         fla_head = model.hidden_size // model.attn_num_heads
         if model.attn_dim != fla_head or model.hidden_size % model.attn_num_heads:
-            refused.append(f"attention heads of {model.attn_dim} (model.attn_head_dim): fla's Attention derives "
-                           f"its head size as hidden_size / num_heads = {model.hidden_size} / "
+            refused.append(f"attention heads of {model.attn_dim} (model.attn_head_dim): fla's Attention "
+                           f"derives its head size as hidden_size / num_heads = {model.hidden_size} / "
                            f"{model.attn_num_heads}; set model.attn_head_dim to null or to that size")
     return refused
 
@@ -85,8 +120,9 @@ def _attn_specs(model: ModelConfig):
     types = model.layer_types
     common = {"num_heads": model.attn_num_heads, "num_kv_heads": model.num_kv_heads,
               "qkv_bias": model.attn_qkv_bias, "rope_theta": model.rope_theta}
-    specs = [{"layers": [i for i, s in enumerate(types) if s == symbol], **common, "window_size": window}
-             for symbol, window in (("S", model.window_size), ("A", None)) if symbol in types]
+    specs = [{"layers": [i for i, s in enumerate(types) if s == kind.symbol], **common,
+              "window_size": _fla_window(kind, model)}
+             for kind in _fla_attention_kinds() if kind.symbol in types]
     if not specs:
         return None
     return specs[0] if len(specs) == 1 else specs  # a single spec as fla writes it; both kinds as a list
@@ -106,7 +142,8 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, tokenizer: dict | None = N
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "vocab_size": model.vocab_size, "hidden_size": model.hidden_size, "num_hidden_layers": model.n_layers,
-        "num_heads": model.gdn_num_heads, "num_v_heads": model.gdn_num_v_heads, "head_dim": model.gdn_head_dim,
+        "num_heads": model.gdn_num_heads, "num_v_heads": model.gdn_num_v_heads,
+        "head_dim": model.gdn_head_dim,
         "expand_v": model.gdn_expand_v, "use_gate": model.gdn_use_gate,
         "allow_neg_eigval": model.gdn_allow_neg_eigval, "conv_size": model.conv_size, "use_short_conv": True,
         "attn_mode": "chunk", "output_gate_activation": "swish",
@@ -114,11 +151,13 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, tokenizer: dict | None = N
         "hidden_act": "swish", "norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_word_embeddings,
         "initializer_range": model.initializer_range, "attn": _attn_specs(model),
         "max_position_embeddings": 2048, "use_cache": True, "attnres_block_size": None,
-        "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True, "fuse_linear_cross_entropy": False,
+        "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True,
+        "fuse_linear_cross_entropy": False,
         "use_l2warp": False,
         **special_token_ids(tokenizer),   # null without a tokenizer that names them (byte-level data)
         "dtype": str(dtype).replace("torch.", ""),
-        EMBEDDED: {"format_version": EMBEDDED_VERSION, "model": dataclasses.asdict(model), "tokenizer": tokenizer},
+        EMBEDDED: {"format_version": EMBEDDED_VERSION, "model": dataclasses.asdict(model),
+                   "tokenizer": tokenizer},
     }
 
 
@@ -130,27 +169,28 @@ def read_hf_config(folder: Path) -> dict:
                            f"*.safetensors)")
     if not path.is_file():
         ours = (Path(folder) / ".metadata").is_file() or (Path(folder) / "checkpoints").is_dir()
-        raise ConvertError(f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder"
-                           + (" (it is a gdn_parallel checkpoint or run: to-hf converts it into one)" if ours else ""))
+        ours_note = " (it is a gdn_parallel checkpoint or run: to-hf converts it into one)" if ours else ""
+        raise ConvertError(f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder{ours_note}")
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
         raise ConvertError(f"{path} is not valid JSON ({err})") from None
     if not isinstance(hf, dict) or hf.get("model_type") != MODEL_TYPE:
         found = hf.get("model_type") if isinstance(hf, dict) else None
-        raise ConvertError(f"{path}: model_type {found!r} is not {MODEL_TYPE!r}; only flash-linear-attention's "
-                           f"GatedDeltaNetForCausalLM folders (and ours) convert")
+        raise ConvertError(f"{path}: model_type {found!r} is not {MODEL_TYPE!r}; only "
+                           f"flash-linear-attention's GatedDeltaNetForCausalLM folders (and ours) convert")
     return hf
 
 
 def _attention_of(hf: dict, n_layers: int, where: str):
-    """(per-layer symbols 'G'/'S'/'A', the one attention setting (heads, kv heads, qkv bias, rope theta)
-    or None, the one sliding window or None) from fla's attn specs."""
+    """(our per-layer symbols, the one attention setting (heads, kv heads, qkv bias, rope theta) or None,
+    the one sliding window or None) from fla's attn specs."""
     attn = hf.get("attn")
     specs = [] if attn is None else [attn] if isinstance(attn, dict) else attn
     if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
         raise ConvertError(f"{where}: attn={attn!r} is neither null, a spec nor a list of specs")
-    symbols, settings, windows = ["G"] * n_layers, set(), set()
+    gdn = _fla_gdn_kind().symbol
+    symbols, settings, windows = [gdn] * n_layers, set(), set()
     for spec in specs:
         if "layers" not in spec or "num_heads" not in spec:
             raise ConvertError(f"{where}: the attn spec {spec} lacks 'layers' or 'num_heads'")
@@ -161,15 +201,16 @@ def _attention_of(hf: dict, n_layers: int, where: str):
         if window is not None:
             windows.add(window)
         for layer in spec["layers"]:
-            if type(layer) is not int or not 0 <= layer < n_layers or symbols[layer] != "G":
+            if type(layer) is not int or not 0 <= layer < n_layers or symbols[layer] != gdn:
                 raise ConvertError(f"{where}: attn layer {layer!r} is out of [0, {n_layers}) or given twice")
-            symbols[layer] = "A" if window is None else "S"
+            symbols[layer] = _kind_of_window(window).symbol
     if len(settings) > 1:
-        raise ConvertError(f"{where}: the attn specs differ in num_heads / num_kv_heads / qkv_bias / rope_theta "
-                           f"({sorted(settings)}); gdn_parallel has one attention setting for all layers")
+        raise ConvertError(f"{where}: the attn specs differ in num_heads / num_kv_heads / qkv_bias / "
+                           f"rope_theta ({sorted(settings)}); gdn_parallel has one attention setting for all "
+                           f"layers")
     if len(windows) > 1:
-        raise ConvertError(f"{where}: the attn specs use several window sizes {sorted(windows)}; gdn_parallel "
-                           f"has one (model.window_size) besides full attention")
+        raise ConvertError(f"{where}: the attn specs use several window sizes {sorted(windows)}; "
+                           f"gdn_parallel has one (model.window_size) besides full attention")
     setting = settings.pop() if settings else None
     return "".join(symbols), setting, (windows.pop() if windows else None)
 
@@ -201,7 +242,8 @@ def derived_model_config(hf: dict, where: str) -> ModelConfig:
     types, setting, window = _attention_of(hf, n_layers, where)
     fields = dict(
         vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), n_layers=n_layers,
-        layer_pattern=_shortest_tile(types), gdn_num_heads=get("num_heads"), gdn_num_v_heads=get("num_v_heads"),
+        layer_pattern=_shortest_tile(types), gdn_num_heads=get("num_heads"),
+        gdn_num_v_heads=get("num_v_heads"),
         gdn_head_dim=get("head_dim"), gdn_expand_v=get("expand_v"), gdn_use_gate=get("use_gate"),
         gdn_allow_neg_eigval=get("allow_neg_eigval"), conv_size=get("conv_size"), conv_bias=False,
         hidden_ratio=get("hidden_ratio") if get("hidden_ratio") is not None else 4,
@@ -227,9 +269,10 @@ def _validated(fields: dict, where: str, fla_fields: bool = False) -> ModelConfi
     try:
         model = Config.from_dict({"model": fields}).model
         model.validate()
+        check_layers(model)
     except ConfigError as err:
-        named = [f"model.{ours} is {theirs}" for ours, theirs in FLA_NAMES.items() if f"model.{ours}" in str(err)
-                 or f"{ours} " in str(err)]
+        named = [f"model.{ours} is {theirs}" for ours, theirs in FLA_NAMES.items()
+                 if f"model.{ours}" in str(err) or f"{ours} " in str(err)]
         hint = f" (in {CONFIG_FILE}: {', '.join(named)})" if fla_fields and named else ""
         raise ConvertError(f"{where} gives a model gdn_parallel cannot build: {err}{hint}") from None
     return model
@@ -243,8 +286,8 @@ def source_model_config(hf: dict, where: str) -> ModelConfig:
     if embedded is None:
         return derived
     if not isinstance(embedded, dict) or not isinstance(embedded.get("model"), dict):
-        raise ConvertError(f"{where}: the {EMBEDDED} entry is not {{'model': {{...}}}}; delete it to use the fla "
-                           f"fields alone")
+        raise ConvertError(f"{where}: the {EMBEDDED} entry is not {{'model': {{...}}}}; delete it to use the "
+                           f"fla fields alone")
     ours = _validated(embedded["model"], f"{where} ({EMBEDDED}.model)")
     require_same_architecture(derived, ours, "fla fields", f"{EMBEDDED}.model", where=where,
                               fix=f"config.json was edited after export: delete its {EMBEDDED} entry to take "

@@ -27,7 +27,8 @@ from .errors import ConvertError
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"   # transformers' tokenizer over a tokenizer.json (v4 and v5)
-ID_FIELDS = {role: role.replace("_token", "_token_id") for role in SPECIAL_ROLES}   # bos_token -> bos_token_id
+# bos_token -> bos_token_id
+ID_FIELDS = {role: role.replace("_token", "_token_id") for role in SPECIAL_ROLES}
 
 
 def read_checkpoint_tokenizer(checkpoint: Path) -> tuple[dict | None, bytes | None]:
@@ -41,18 +42,18 @@ def read_checkpoint_tokenizer(checkpoint: Path) -> tuple[dict | None, bytes | No
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ConvertError(f"{info_path} cannot be read ({err}); take another checkpoint") from None
     if not isinstance(info, dict) or info.get("kind") not in ("bytes", "tokenizers"):
-        raise ConvertError(f"{info_path} is not a tokenizer record (kind 'bytes' or 'tokenizers'); take another "
-                           f"checkpoint")
+        raise ConvertError(f"{info_path} is not a tokenizer record (kind 'bytes' or 'tokenizers'); take "
+                           f"another checkpoint")
     if info["kind"] == "bytes":
         return info, None
     data_path = Path(checkpoint) / TOKENIZER_JSON
     if not data_path.is_file():
-        raise ConvertError(f"{checkpoint} records a tokenizer ({TOKENIZER_INFO}) but lacks its {TOKENIZER_JSON}; "
-                           f"copy the whole checkpoint directory")
+        raise ConvertError(f"{checkpoint} records a tokenizer ({TOKENIZER_INFO}) but lacks its "
+                           f"{TOKENIZER_JSON}; copy the whole checkpoint directory")
     data = data_path.read_bytes()
     if hashlib.sha256(data).hexdigest() != info.get("sha256"):
-        raise ConvertError(f"{data_path} is not the tokenizer {info_path} records (sha256 differs); take another "
-                           f"checkpoint")
+        raise ConvertError(f"{data_path} is not the tokenizer {info_path} records (sha256 differs); take "
+                           f"another checkpoint")
     return info, data
 
 
@@ -72,8 +73,9 @@ def check_special_ids(info: dict | None, vocab_size: int, where: str) -> None:
     for role, field in ID_FIELDS.items():
         token_id = special_token_ids(info)[field]
         if token_id is not None and token_id >= vocab_size:
-            raise ConvertError(f"{where}: the tokenizer's {role} has id {token_id}, outside the model's vocabulary "
-                               f"of {vocab_size} (model.vocab_size): no export could generate or read it")
+            raise ConvertError(f"{where}: the tokenizer's {role} has id {token_id}, outside the model's "
+                               f"vocabulary of {vocab_size} (model.vocab_size): no export could generate or "
+                               f"read it")
 
 
 def write_tokenizer_files(folder: Path, info: dict | None, tokenizer_json: bytes | None) -> list[str]:
@@ -94,10 +96,11 @@ def write_tokenizer_files(folder: Path, info: dict | None, tokenizer_json: bytes
 def describe(info: dict | None) -> str:
     """One line on what tokenizer an export holds."""
     if info is None:
-        return "tokenizer: none (the checkpoint records none: saved before checkpoints carried one, or its data " \
-               "records none); no tokenizer files, token ids null"
+        return "tokenizer: none (the checkpoint records none: saved before checkpoints carried one, or its " \
+               "data records none); no tokenizer files, token ids null"
     if info["kind"] == "bytes":
-        return "tokenizer: byte-level data (ids are UTF-8 bytes, vocabulary 256): no tokenizer files, token ids null"
+        return ("tokenizer: byte-level data (ids are UTF-8 bytes, vocabulary 256): no tokenizer files, token "
+                "ids null")
     tokens = info.get("special_tokens") or {}
     named = ", ".join(f"{role.split('_')[0]} {tokens[role]['content']!r} = {tokens[role]['id']}"
                       if tokens.get(role) else f"{role.split('_')[0]} none" for role in SPECIAL_ROLES)
@@ -130,6 +133,8 @@ def require_same_tokenizer(folder_info: dict | None, data_info: dict | None, fol
             return f"tokenizer.json sha256 {str(info.get('sha256'))[:12]}"
         fix = ("byte-level data (text files, or gdn-prepare-data --tokenizer bytes)"
                if folder_info["kind"] == "bytes" else
-               f"data prepared by the folder's tokenizer (gdn-prepare-data --tokenizer {folder}/{TOKENIZER_JSON})")
-        raise ConvertError(f"{folder} was trained on {named(folder_info)} but the new checkpoint's data ({data}) is "
-                           f"{named(data_info)}: give --config (or --set data.source=...) with {fix}")
+               f"data prepared by the folder's tokenizer "
+               f"(gdn-prepare-data --tokenizer {folder}/{TOKENIZER_JSON})")
+        raise ConvertError(f"{folder} was trained on {named(folder_info)} but the new checkpoint's data "
+                           f"({data}) is {named(data_info)}: give --config (or --set data.source=...) "
+                           f"with {fix}")

@@ -1,11 +1,12 @@
 """What a HybridLM of a given config holds (names and shapes), checks of converted tensors against it,
-dtype casts, and the architecture two configs must share to hold the same weights."""
+dtype casts, and the refusal of two configs whose architectures differ (the rule is the model's:
+model/architecture.py)."""
 from __future__ import annotations
 
 import torch
 
 from ..config import ModelConfig
-from ..model import HybridLM
+from ..model import HybridLM, architecture_differences
 from .errors import ConvertError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -20,7 +21,8 @@ def expected_shapes(model_config: ModelConfig) -> dict[str, torch.Size]:
     return {name: param.shape for name, param in model.named_parameters()}
 
 
-def drop_tied_head(tensors: dict[str, torch.Tensor], model_config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+def drop_tied_head(tensors: dict[str, torch.Tensor], model_config: ModelConfig,
+                   source: str) -> dict[str, torch.Tensor]:
     """Our names without a tied lm_head: some writers (a module's state_dict, save_pretrained of some
     models) store it beside the embedding it is; it must be that embedding."""
     if not model_config.tie_word_embeddings or LM_HEAD not in tensors:
@@ -29,7 +31,8 @@ def drop_tied_head(tensors: dict[str, torch.Tensor], model_config: ModelConfig, 
     head, embeddings = tensors.pop(LM_HEAD), tensors.get(EMBEDDINGS)
     if embeddings is None or not torch.equal(head, embeddings):
         raise ConvertError(f"{source}: the config says tie_word_embeddings=true but its {LM_HEAD} is not its "
-                           f"embedding matrix; set tie_word_embeddings=false in the config if the head is its own")
+                           f"embedding matrix; set tie_word_embeddings=false in the config if the head is "
+                           f"its own")
     return tensors
 
 
@@ -39,12 +42,12 @@ def check_tensors(tensors: dict[str, torch.Tensor], model_config: ModelConfig, s
     embeddings = tensors.get(EMBEDDINGS)
     if embeddings is not None and embeddings.dim() == 2 and embeddings.shape[0] != model_config.vocab_size:
         raise ConvertError(f"vocabulary mismatch: {source} has embeddings for {embeddings.shape[0]} tokens "
-                           f"but its config says vocab_size={model_config.vocab_size}; the weights and the config "
-                           f"are of different models")
+                           f"but its config says vocab_size={model_config.vocab_size}; the weights and the "
+                           f"config are of different models")
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    wrong = [f"{name}: {tuple(tensors[name].shape)}, expected {tuple(shape)}" for name, shape in expected.items()
-             if name in tensors and tensors[name].shape != shape]
+    wrong = [f"{name}: {tuple(tensors[name].shape)}, expected {tuple(shape)}"
+             for name, shape in expected.items() if name in tensors and tensors[name].shape != shape]
     problems = []
     if missing:
         problems.append(f"missing {listed(missing)}")
@@ -53,7 +56,8 @@ def check_tensors(tensors: dict[str, torch.Tensor], model_config: ModelConfig, s
     if wrong:
         problems.append(f"shapes differ: {listed(wrong)}")
     if problems:
-        raise ConvertError(f"{source} does not hold the weights of the model its config describes: {'; '.join(problems)}")
+        raise ConvertError(f"{source} does not hold the weights of the model its config describes: "
+                           f"{'; '.join(problems)}")
 
 
 def listed(items, limit: int = 8) -> str:
@@ -69,41 +73,11 @@ def cast(tensors: dict[str, torch.Tensor], dtype_name: str) -> dict[str, torch.T
     return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
 
 
-def architecture(model: ModelConfig) -> dict[str, object]:
-    """The settings that decide the weights and what the model computes with them, resolved (a null
-    that means 'derived' compares equal to the value it derives); the implementations, chunk size and
-    init are free."""
-    types = model.layer_types
-    arch: dict[str, object] = {
-        "model.vocab_size": model.vocab_size, "model.hidden_size": model.hidden_size,
-        "model.n_layers": model.n_layers, "layer types (model.layer_pattern)": types,
-        "MLP width (model.intermediate_size / hidden_ratio)": model.mlp_dim,
-        "model.norm_eps": model.norm_eps, "model.tie_word_embeddings": model.tie_word_embeddings}
-    if "G" in types:
-        arch.update({"model.gdn_num_heads": model.gdn_num_heads, "model.gdn_num_v_heads": model.num_v_heads,
-                     "model.gdn_head_dim": model.gdn_head_dim, "GDN value head (gdn_head_dim * gdn_expand_v)":
-                     model.head_v_dim, "model.gdn_use_gate": model.gdn_use_gate,
-                     "model.gdn_allow_neg_eigval": model.gdn_allow_neg_eigval, "model.conv_size": model.conv_size,
-                     "model.conv_bias": model.conv_bias})
-    if "S" in types or "A" in types:
-        arch.update({"model.attn_num_heads": model.attn_num_heads, "model.attn_num_kv_heads": model.num_kv_heads,
-                     "attention head (model.attn_head_dim)": model.attn_dim, "model.rope_theta": model.rope_theta,
-                     "model.attn_qkv_bias": model.attn_qkv_bias, "model.attn_output_gate": model.attn_output_gate})
-    if "S" in types:
-        arch["model.window_size"] = model.window_size
-    return arch
-
-
-def architecture_differences(first: ModelConfig, second: ModelConfig) -> dict[str, tuple]:
-    a, b = architecture(first), architecture(second)
-    return {key: (a.get(key), b.get(key)) for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)}
-
-
 def require_same_architecture(source: ModelConfig, target: ModelConfig, source_name: str,
                               target_name: str, fix: str | None = None, where: str = "") -> None:
     differing = architecture_differences(source, target)
     if differing:
         details = "; ".join(f"{key}: {source_name} {a!r}, {target_name} {b!r}"
                             for key, (a, b) in differing.items())
-        raise ConvertError((f"{where}: " if where else "") + f"model config mismatch between {source_name} and "
-                           f"{target_name}: {details}" + (f"; {fix}" if fix else ""))
+        raise ConvertError((f"{where}: " if where else "") + f"model config mismatch between {source_name} "
+                           f"and {target_name}: {details}" + (f"; {fix}" if fix else ""))

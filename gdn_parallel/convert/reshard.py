@@ -24,7 +24,7 @@ from ..checkpoint.files import CONFIG_COPY, final_path
 from ..checkpoint.manager import LAYOUT_DEGREES, layout_record
 from ..checkpoint.state import MODEL, OPTIM
 from ..config import Config, ConfigError, parse_override
-from ..model import build_model
+from ..model import build_model, check_layers
 from ..parallel.mesh import MESH_DIMS, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
@@ -49,6 +49,7 @@ def layout_config(saved_config: dict, layout: str) -> Config:
     config = Config.from_dict(saved_config).with_overrides(overrides)
     config.model.validate()
     config.parallel.validate(config.model)
+    check_layers(config.model, config.parallel.tp)
     return config
 
 
@@ -58,25 +59,28 @@ def run_config(config: Config, saved_dp: int, overrides: list[str]) -> tuple[Con
     refused, naming the fix, when it would not train as written. Returns it and what was changed."""
     train, notes = config.train, []
     rows = train.batch_size * saved_dp
-    if config.parallel.dp != saved_dp and not any(o.strip().startswith("train.batch_size=") for o in overrides):
+    batch_given = any(o.strip().startswith("train.batch_size=") for o in overrides)
+    if config.parallel.dp != saved_dp and not batch_given:
         if rows % config.parallel.dp:
-            raise ConvertError(f"the run's global batch of {rows} rows (train.batch_size={train.batch_size} x dp="
-                               f"{saved_dp}) does not split over parallel.dp={config.parallel.dp} replicas; choose a "
-                               f"dp that divides {rows}, or give --set train.batch_size=N (rows per replica)")
-        notes.append(f"reshard | train.batch_size {train.batch_size} -> {rows // config.parallel.dp} rows per "
-                     f"replica: the global batch stays {rows} rows")
+            raise ConvertError(f"the run's global batch of {rows} rows (train.batch_size="
+                               f"{train.batch_size} x dp={saved_dp}) does not split over parallel.dp="
+                               f"{config.parallel.dp} replicas; choose a dp that divides {rows}, or give "
+                               f"--set train.batch_size=N (rows per replica)")
+        notes.append(f"reshard | train.batch_size {train.batch_size} -> {rows // config.parallel.dp} rows "
+                     f"per replica: the global batch stays {rows} rows")
         config = config.with_overrides([f"train.batch_size={rows // config.parallel.dp}"])
     for item in overrides:
         if parse_override(item)[0] not in ("train", "checkpoint", "log"):
-            raise ConvertError(f"--set {item}: reshard --out sets train, checkpoint and log fields only (the model "
-                               f"and data are the checkpoint's, the layout is --layout)")
+            raise ConvertError(f"--set {item}: reshard --out sets train, checkpoint and log fields only (the "
+                               f"model and data are the checkpoint's, the layout is --layout)")
     config = config.with_overrides(list(overrides))
     try:
         config.train.validate()
         config.parallel.validate(config.model, config.train)
+        check_layers(config.model, config.parallel.tp)
     except ConfigError as err:
-        raise ConvertError(f"the config.yaml --out would write does not train under this layout: {err} (give it "
-                           f"with --set, e.g. --set train.microbatch_size=1)") from None
+        raise ConvertError(f"the config.yaml --out would write does not train under this layout: {err} (give "
+                           f"it with --set, e.g. --set train.microbatch_size=1)") from None
     return config, notes
 
 
@@ -98,8 +102,8 @@ def reshard(checkpoint, layout: str, out_dir: str | None = None, report: str = "
         _check_out(out_dir, source, int(saved.get("step", 0)))
     with process_group(config.train) as (device, _launched):
         if dist.get_world_size() != world:
-            raise ConfigError(f"--layout {layout} needs {world} processes, the job has {dist.get_world_size()}; "
-                              f"launch with torchrun --nproc_per_node={world}")
+            raise ConfigError(f"--layout {layout} needs {world} processes, the job has "
+                              f"{dist.get_world_size()}; launch with torchrun --nproc_per_node={world}")
         if dist.get_rank() == 0:
             for note in notes:
                 print_fn(note)
@@ -108,8 +112,8 @@ def reshard(checkpoint, layout: str, out_dir: str | None = None, report: str = "
 
 def _check_out(out_dir: str, source: Path, step: int) -> None:
     if Path(out_dir).resolve() == source.resolve().parent.parent:
-        raise ConvertError(f"--out {out_dir} is the run that holds {source}: saving would replace the checkpoint "
-                           f"being checked; choose another --out")
+        raise ConvertError(f"--out {out_dir} is the run that holds {source}: saving would replace the "
+                           f"checkpoint being checked; choose another --out")
     if final_path(out_dir, step).exists():
         raise ConvertError(f"--out {out_dir} already holds {final_path(out_dir, step)}; remove it or choose "
                            f"another --out (nothing is overwritten)")
@@ -149,7 +153,8 @@ def _reshard(source: Path, saved: dict, config: Config, device, out_dir, report,
         saved_to = _save_again(out_dir, source, saved, config, named, optimizer, dims)
     if rank == 0:
         summary = {"ok": ok, "checkpoint": str(source), "step": saved.get("step"),
-                   "layout": layout_record(config, world), "tensors_checked": sum(r["tensors"] for r in everyone),
+                   "layout": layout_record(config, world),
+                   "tensors_checked": sum(r["tensors"] for r in everyone),
                    "model_tensors": sum(1 for key in entries if key.startswith(MODEL)),
                    "held_by_no_rank": nowhere, "saved_to": saved_to, "ranks": everyone}
         Path(report).parent.mkdir(parents=True, exist_ok=True)

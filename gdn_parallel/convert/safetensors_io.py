@@ -33,8 +33,8 @@ def _library():
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import save_file
     except ImportError:
-        raise ConvertError(f"Hugging Face folders are read and written with the safetensors package, which is "
-                           f"not installed: {INSTALL}") from None
+        raise ConvertError(f"Hugging Face folders are read and written with the safetensors package, which "
+                           f"is not installed: {INSTALL}") from None
     return safe_open, save_file, SafetensorError
 
 
@@ -156,8 +156,8 @@ def folder_files(folder: Path) -> dict[str, list[str]]:
             files.setdefault(shard, []).append(name)
         missing = sorted(shard for shard in files if not (folder / shard).is_file())
         if missing:
-            raise ConvertError(f"{folder} is missing shard(s) {missing} listed in {INDEX_FILE}; copy the whole "
-                               f"folder (every shard) and try again")
+            raise ConvertError(f"{folder} is missing shard(s) {missing} listed in {INDEX_FILE}; copy the "
+                               f"whole folder (every shard) and try again")
         return files
     if single.is_file():
         return {SINGLE_FILE: read_header(single)}
@@ -174,7 +174,7 @@ def read_folder(folder: Path) -> dict[str, torch.Tensor]:
     for shard, names in folder_files(folder).items():
         absent = sorted(set(names) - set(read_header(folder / shard)))
         if absent:
-            raise ConvertError(f"{folder / shard} lacks tensor(s) {absent[:5]} that {INDEX_FILE} places there; "
-                               f"the index and the shards are from different saves")
+            raise ConvertError(f"{folder / shard} lacks tensor(s) {absent[:5]} that {INDEX_FILE} places "
+                               f"there; the index and the shards are from different saves")
         tensors.update(read_file(folder / shard, names))
     return tensors

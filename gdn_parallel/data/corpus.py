@@ -73,16 +73,16 @@ def split_fraction(name: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
-def validation_mask(scores: Sequence[float], val_fraction: float) -> np.ndarray:
+def validation_mask(scores: Sequence[float] | np.ndarray, val_fraction: float) -> np.ndarray:
     """Which documents are held out, from their scores in [0, 1): those below val_fraction. With at
     least two documents and val_fraction > 0 one is always held out (the lowest score); training is
     never left empty (the highest score trains), so a single document trains."""
-    scores = np.asarray(scores, dtype=np.float64)
-    is_val = scores < val_fraction
-    if val_fraction > 0 and scores.size >= 2 and not is_val.any():
-        is_val[int(np.argmin(scores))] = True
-    if scores.size and is_val.all():
-        is_val[int(np.argmax(scores))] = False
+    values = np.asarray(scores, dtype=np.float64)
+    is_val = values < val_fraction
+    if val_fraction > 0 and values.size >= 2 and not is_val.any():
+        is_val[int(np.argmin(values))] = True
+    if values.size and is_val.all():
+        is_val[int(np.argmax(values))] = False
     return is_val
 
 

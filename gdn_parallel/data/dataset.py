@@ -50,7 +50,10 @@ class Dataset:
     def describe(self) -> str:
         note = f", {self.note}" if self.note else ""
         if self.kind == "blend":
-            return "blend of " + "; ".join(_describe_part(self.train, index, part)
+            blend = self.train
+            if not isinstance(blend, BlendedDocuments):
+                raise TypeError(f"a blend's train documents are BlendedDocuments, got {type(blend).__name__}")
+            return "blend of " + "; ".join(_describe_part(blend, index, part)
                                            for index, part in enumerate(self.parts)) + note
         made_by = self.kind if self.tokenizer == self.kind else f"{self.kind}, {self.tokenizer}"
         return (f"{self.source} ({made_by}): {len(self.train):,} train docs "
@@ -139,9 +142,9 @@ def _load_blend(data_config) -> Dataset:
     weights = [weight for weight, _ in data_config.blend]
     with_val = [index for index, part in enumerate(parts) if len(part.val)]
     try:
-        train = BlendedDocuments([part.train for part in parts], weights)
-        val = (BlendedDocuments([parts[i].val for i in with_val], [weights[i] for i in with_val]) if with_val
-               else Documents.from_sequences([]))
+        train = BlendedDocuments([_unblended(part.train) for part in parts], weights)
+        val = (BlendedDocuments([_unblended(parts[i].val) for i in with_val], [weights[i] for i in with_val])
+               if with_val else Documents.from_sequences([]))
     except ValueError as err:
         raise ConfigError(f"data.blend={data_config.blend!r}: {err}; raise that source's weight or leave it "
                           f"out") from None
@@ -150,12 +153,19 @@ def _load_blend(data_config) -> Dataset:
             if without_val and with_val else "")
     counts = [parts[i].val_token_bytes for i in with_val]
     # The byte counts have the val documents' lengths, so their blend has the same quotas and order.
-    val_bytes = (BlendedDocuments(counts, [weights[i] for i in with_val])
+    val_bytes = (BlendedDocuments([_unblended(c) for c in counts], [weights[i] for i in with_val])
                  if with_val and all(c is not None for c in counts) else None)
     return Dataset(source="blend", kind="blend", train=train, val=val,
                    max_token_id=max(part.max_token_id for part in parts),
                    tokenizer="; ".join(part.tokenizer for part in parts), note=note, parts=tuple(parts),
                    val_token_bytes=val_bytes)
+
+
+def _unblended(documents: Documents | BlendedDocuments | None) -> Documents:
+    """A blend source's documents: each source is one dataset (bytes, prepared, Megatron), never a blend."""
+    if not isinstance(documents, Documents):
+        raise TypeError(f"a blend source holds Documents, got {type(documents).__name__}")
+    return documents
 
 
 def _check_same_tokenizer(parts: list[Dataset]) -> None:

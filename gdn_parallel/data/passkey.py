@@ -77,7 +77,7 @@ class PasskeyTask:
              seed: int) -> list[PasskeySample]:
         """`per_cell` samples for every (length, depth), each cell from its own seed (a cell's samples
         do not change when the grid around it does)."""
-        samples = []
+        samples: list[PasskeySample] = []
         for length in lengths:
             for depth in depths:
                 rng = random.Random(f"{seed}/{length}/{depth}")

@@ -1,6 +1,6 @@
 """Tokenize text, JSON-lines or Parquet files into a prepared dataset that data.source reads.
 
-    gdn-prepare-data corpus/ --out data/corpus-bytes                  # raw bytes (python3 tools/prepare_data.py ...)
+    gdn-prepare-data corpus/ --out data/corpus-bytes  # raw bytes (python3 tools/prepare_data.py ...)
     gdn-prepare-data 'dump/*.jsonl' --out data/dump --tokenizer tokenizer.json --workers 8
     python3 -m gdn_parallel.train --set data.source=data/dump --set model.vocab_size=32000
 
@@ -30,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,8 @@ from .text_tokenizer import SPECIAL_ROLES, load_tokenizer
 
 PLAN_FILE = "plan.json"
 ENCODE_BATCH = 256           # texts per tokenizer call
-OUR_NAMES = (METADATA_FILE, TOKENS_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKEN_BYTES_FILE, TOKENIZER_COPY)  # and .tmp
+# the names written in --out (and each with .tmp)
+OUR_NAMES = (METADATA_FILE, TOKENS_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKEN_BYTES_FILE, TOKENIZER_COPY)
 COUNT_DTYPES = ("uint8", "uint16", "uint32")   # token_bytes.bin: the narrowest that holds every count
 
 
@@ -64,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-key", default="text", help="the text field of JSON lines / Parquet rows")
     for role in SPECIAL_ROLES:
         parser.add_argument(f"--{role.replace('_', '-')}", dest=role, default=None, metavar="TOKEN",
-                            help=f"the tokenizer's {role.split('_')[0]} token (default: as tokenizer_config.json "
-                                 f"beside the tokenizer file, else its post-processor template, names it)")
+                            help=f"the tokenizer's {role.split('_')[0]} token (default: as "
+                                 f"tokenizer_config.json beside the tokenizer file, else its post-processor "
+                                 f"template, names it)")
     default_suffixes = ",".join(suffixes_with_records(DataConfig().suffixes))
     parser.add_argument("--suffixes", default=default_suffixes,
                         help=f"files a directory input takes ('*': all); default {default_suffixes}")
@@ -105,10 +108,11 @@ def prepare(args) -> dict:
     files = list_inputs(args.inputs, suffixes)
     check_output_dir(out, args.force)       # after the inputs: --force deletes nothing for a typo
     shard_bytes = max(1, int(args.shard_mb * 2 ** 20))
-    plan = {"fingerprint": {"format_version": FORMAT_VERSION, "tokenizer": tokenizer.identity(),
-                            "text_key": args.text_key, "dtype": token_dtype(tokenizer.vocab_size),
-                            "shard_bytes": shard_bytes, "counts_text_bytes": True,
-                            "inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}}
+    fingerprint = {"format_version": FORMAT_VERSION, "tokenizer": tokenizer.identity(),
+                   "text_key": args.text_key, "dtype": token_dtype(tokenizer.vocab_size),
+                   "shard_bytes": shard_bytes, "counts_text_bytes": True,
+                   "inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    plan: dict[str, Any] = {"fingerprint": fingerprint}
     partial = out / PARTIAL_DIR
     plan["shards"] = load_or_write_plan(partial, plan, files, shard_bytes)
     run_shards(partial, plan, args)
@@ -142,9 +146,9 @@ def load_or_write_plan(partial: Path, plan: dict, files: list[Path], shard_bytes
     if plan_path.is_file():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != plan["fingerprint"]:
-            raise ValueError(f"{partial} holds an unfinished preparation of other inputs or arguments (or the "
-                             f"inputs changed since); run it with the same arguments to resume, or pass "
-                             f"--force to start over")
+            raise ValueError(f"{partial} holds an unfinished preparation of other inputs or arguments "
+                             f"(or the inputs changed since); run it with the same arguments to resume, or "
+                             f"pass --force to start over")
         return saved["shards"]
     if partial.exists():        # interrupted before its plan was written: nothing to keep
         shutil.rmtree(partial)
@@ -219,11 +223,14 @@ def prepare_shard(task) -> dict:
     lengths: list[int] = []
     max_id, num_tokens, text_bytes, max_token_bytes = -1, 0, 0, 1
     tmp = {name: path.with_name(path.name + ".tmp") for name, path in paths.items()}
-    by_byte = _TOKENIZER.one_byte_per_token
+    tokenizer = _TOKENIZER
+    if tokenizer is None:
+        raise RuntimeError("prepare_shard runs after init_worker, which loads the tokenizer")
+    by_byte = tokenizer.one_byte_per_token
     with open(tmp["tokens"], "wb") as out, open(tmp["text_bytes"], "wb") as out_bytes:
         for texts in batched(text for item in items for text in read_texts(item, text_key, counts)):
-            encoded = ([(ids, None) for ids in _TOKENIZER.encode_batch(texts)] if by_byte
-                       else _TOKENIZER.encode_counting_bytes(texts))
+            encoded = ([(ids, None) for ids in tokenizer.encode_batch(texts)] if by_byte
+                       else tokenizer.encode_counting_bytes(texts))
             for ids, token_bytes in encoded:
                 if ids.size == 0:
                     counts["empty_documents"] += 1
@@ -322,8 +329,8 @@ def copy_tokenizer(out: Path, identity: dict) -> None:
     """The tokenizer file, as it was when the preparation started (its sha256), to tokenizer.json.tmp."""
     data = Path(identity["file"]).read_bytes()
     if hashlib.sha256(data).hexdigest() != identity["sha256"]:
-        raise ValueError(f"--tokenizer {identity['file']} changed while the data was prepared (its sha256 differs "
-                         f"from the one the tokens were made with); prepare again with --force")
+        raise ValueError(f"--tokenizer {identity['file']} changed while the data was prepared (its sha256 "
+                         f"differs from the one the tokens were made with); prepare again with --force")
     (out / (TOKENIZER_COPY + ".tmp")).write_bytes(data)
 
 

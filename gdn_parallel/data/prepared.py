@@ -172,14 +172,14 @@ def _open_token_bytes(source: str, path: Path, metadata: dict) -> np.ndarray | N
     if record.get("each_token") == 1:
         return np.broadcast_to(np.uint8(1), (num_tokens,))   # a view: no memory per token
     if record.get("file") != TOKEN_BYTES_FILE or record.get("dtype") not in ("uint8",) + TOKEN_DTYPES:
-        raise ConfigError(f"{where} {record!r} names neither each_token: 1 nor file {TOKEN_BYTES_FILE!r} with "
-                          f"a uint dtype; {_PREPARE_AGAIN}")
+        raise ConfigError(f"{where} {record!r} names neither each_token: 1 nor file {TOKEN_BYTES_FILE!r} "
+                          f"with a uint dtype; {_PREPARE_AGAIN}")
     file, dtype = path / TOKEN_BYTES_FILE, np.dtype(record["dtype"]).newbyteorder("<")
     size = file.stat().st_size if file.is_file() else None
     if size != num_tokens * dtype.itemsize:
         found = "is missing" if size is None else f"holds {size:,} bytes"
-        raise ConfigError(f"data.source={source!r}: {TOKEN_BYTES_FILE} {found}, not {num_tokens:,} {dtype.name} "
-                          f"counts (one per token); {_PREPARE_AGAIN}")
+        raise ConfigError(f"data.source={source!r}: {TOKEN_BYTES_FILE} {found}, not {num_tokens:,} "
+                          f"{dtype.name} counts (one per token); {_PREPARE_AGAIN}")
     return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,)) if num_tokens else np.zeros(0, dtype)
 
 

@@ -41,6 +41,7 @@ replica's stream ends one micro-batch before the others').
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -134,8 +135,9 @@ class TokenBatches:
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         epoch, offset = divmod(self.position, self.tokens_per_epoch)
-        state = {"version": STATE_VERSION, "epoch": epoch, "tokens_into_epoch": offset, "seed": self.seed,
-                 "documents": len(self.documents), "tokens_per_epoch": self.tokens_per_epoch}
+        state: dict[str, Any] = {"version": STATE_VERSION, "epoch": epoch, "tokens_into_epoch": offset,
+                                 "seed": self.seed, "documents": len(self.documents),
+                                 "tokens_per_epoch": self.tokens_per_epoch}
         if isinstance(self.documents, BlendedDocuments):
             state["blend"] = self.documents.identity()
         return state

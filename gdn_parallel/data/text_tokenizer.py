@@ -60,7 +60,8 @@ class FileTokenizer:
                 "special_tokens": self.special_tokens}
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(encoding.ids, dtype=np.int64) for encoding in self._tokenizer.encode_batch(list(texts))]
+        return [np.asarray(encoding.ids, dtype=np.int64)
+                for encoding in self._tokenizer.encode_batch(list(texts))]
 
     def encode_counting_bytes(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids, UTF-8 bytes each token stands for) per text (text_bytes_per_token)."""
@@ -77,15 +78,15 @@ class FileTokenizer:
         beside = file.with_name(HF_TOKENIZER_CONFIG)
         for role, content in _hf_config_specials(beside).items():
             found[role] = (content, str(beside))
-        for role, content in given.items():
-            if content is not None:
-                found[role] = (content, f"--{role.replace('_', '-')}")
+        for role, given_content in given.items():
+            if given_content is not None:
+                found[role] = (given_content, f"--{role.replace('_', '-')}")
         tokens: dict[str, dict | None] = {role: None for role in SPECIAL_ROLES}
         for role, (content, origin) in found.items():
             token_id = self._tokenizer.token_to_id(content)
             if token_id is None:
-                raise ValueError(f"{role} {content!r} (from {origin}) is not a token of --tokenizer {self.path}; "
-                                 f"give --{role.replace('_', '-')} with one of its tokens")
+                raise ValueError(f"{role} {content!r} (from {origin}) is not a token of --tokenizer "
+                                 f"{self.path}; give --{role.replace('_', '-')} with one of its tokens")
             tokens[role] = {"content": content, "id": int(token_id), "from": origin}
         return tokens
 
@@ -104,7 +105,8 @@ def _template_specials(tokenizer_json: dict) -> dict[str, str]:
         first, last = kinds.index("Sequence"), len(kinds) - 1 - kinds[::-1].index("Sequence")
         named = candidate.get("special_tokens") or {}
 
-        def content(piece: dict, named: dict = named) -> str:   # a template names a special token; its map gives the token
+        # a template names a special token; its map gives the token
+        def content(piece: dict, named: dict = named) -> str:
             name = piece["SpecialToken"]["id"]
             tokens = (named.get(name) or {}).get("tokens") or [name]
             return tokens[0] if len(tokens) == 1 else name
@@ -124,7 +126,8 @@ def _hf_config_specials(path: Path) -> dict[str, str]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} (read for the special tokens) is not JSON ({err}); fix or remove it") from None
+        raise ValueError(f"{path} (read for the special tokens) is not JSON ({err}); "
+                         f"fix or remove it") from None
     found = {}
     for role in SPECIAL_ROLES:
         value = config.get(role) if isinstance(config, dict) else None
@@ -159,7 +162,7 @@ def load_tokenizer(spec: str, special: dict[str, str | None] | None = None):
     """'bytes' or the path of a tokenizers JSON file (`special`: FileTokenizer's)."""
     if spec == BYTES:
         if special and any(special.values()):
-            raise ValueError("--bos-token / --eos-token / --pad-token name tokens of a --tokenizer file; byte-level "
-                             "data (--tokenizer bytes) has no special tokens")
+            raise ValueError("--bos-token / --eos-token / --pad-token name tokens of a --tokenizer file; "
+                             "byte-level data (--tokenizer bytes) has no special tokens")
         return ByteTokenizer()
     return FileTokenizer(spec, special)

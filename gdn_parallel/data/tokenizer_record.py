@@ -62,18 +62,19 @@ def prepared_tokenizer_files(source: str) -> dict[str, bytes]:
     path = Path(os.path.expanduser(source)) / copy if copy else Path(str(identity.get("file", "")))
     if not path.is_file():
         if copy:
-            raise ConfigError(f"data.source={source!r}: its tokenizer copy {path} is missing; prepare it again "
-                              f"(gdn-prepare-data ... --force)")
+            raise ConfigError(f"data.source={source!r}: its tokenizer copy {path} is missing; prepare it "
+                              f"again (gdn-prepare-data ... --force)")
         return {}
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != identity.get("sha256"):
         if copy:
-            raise ConfigError(f"data.source={source!r}: {path} is not the tokenizer the data was prepared with "
-                              f"(its sha256 differs from the metadata's); prepare it again")
+            raise ConfigError(f"data.source={source!r}: {path} is not the tokenizer the data was prepared "
+                              f"with (its sha256 differs from the metadata's); prepare it again")
         return {}
     return {TOKENIZER_JSON: data, TOKENIZER_INFO: _info(identity)}
 
 
 def one_byte_per_token(documents: Documents) -> Documents:
     """Byte-level documents' bytes per token: 1 each (a view, no memory per token)."""
-    return Documents(np.broadcast_to(np.uint8(1), documents.tokens.shape), documents.starts, documents.lengths)
+    return Documents(np.broadcast_to(np.uint8(1), documents.tokens.shape), documents.starts,
+                     documents.lengths)

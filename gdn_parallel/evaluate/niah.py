@@ -105,7 +105,8 @@ def score_grid(model, task: PasskeyTask, lengths, depths, per_cell: int, seed: i
             cells.append({"length": length, "depth": depth, "samples": len(samples),
                           "accuracy": float(exact.mean()), "digit_accuracy": float(hits.mean()),
                           "needle_ranks": sorted(set(ranks)),
-                          "retrieved_by_needle_rank": {str(r): [int(e) for e, rr in zip(exact, ranks) if rr == r]
+                          "retrieved_by_needle_rank": {str(r): [int(e) for e, rr in zip(exact, ranks)
+                                                                if rr == r]
                                                        for r in sorted(set(ranks))}})
     return cells
 
@@ -132,7 +133,8 @@ def loss_by_position(model, data_config, seq_len: int, rows: int, device, autoca
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             logits = model(row.input_ids, cu_seqlens=row.cu_seqlens, position_ids=row.position_ids).logits
         labelled = row.labels != IGNORE_INDEX
-        losses = torch.nn.functional.cross_entropy(logits.float()[labelled], row.labels[labelled], reduction="none")
+        losses = torch.nn.functional.cross_entropy(logits.float()[labelled], row.labels[labelled],
+                                                   reduction="none")
         positions = row.position_ids[labelled]
         for lo, hi in buckets:
             inside = (positions >= lo) & (positions < hi)
@@ -210,11 +212,14 @@ def evaluate_checkpoint(args) -> dict:
     config = saved.get("config", {})
     task = PasskeyTask(tokenizer_for(config, args.tokenizer))
     if min(lengths) < task.min_length():
-        raise SystemExit(f"{PROG}: --lengths: {min(lengths)} is shorter than the task ({task.min_length()} tokens)")
+        raise SystemExit(f"{PROG}: --lengths: {min(lengths)} is shorter than the task "
+                         f"({task.min_length()} tokens)")
     vocab = model.config.vocab_size
-    cells = score_grid(model, task, lengths, depths, args.samples, args.seed, args.cp, args.batch, device, autocast)
-    result = {"checkpoint": str(args.checkpoint), "device": str(device), "dtype": args.dtype if autocast else "float32",
-              "vocab_size": vocab, "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
+    cells = score_grid(model, task, lengths, depths, args.samples, args.seed, args.cp, args.batch, device,
+                       autocast)
+    result = {"checkpoint": str(args.checkpoint), "device": str(device),
+              "dtype": args.dtype if autocast else "float32", "vocab_size": vocab, "lengths": lengths,
+              "depths": depths, "samples_per_cell": args.samples,
               "seed": args.seed, "cp": args.cp, "cells": cells,
               "accuracy_by_needle_rank": by_rank_summary(cells, args.cp) if args.cp > 1 else None,
               "trained_seq_len": config.get("train", {}).get("seq_len")}
@@ -223,7 +228,8 @@ def evaluate_checkpoint(args) -> dict:
         if args.data:
             data.source = args.data
         try:
-            result["loss_by_position"] = loss_by_position(model, data, max(lengths), args.position_rows, device, autocast)
+            result["loss_by_position"] = loss_by_position(model, data, max(lengths), args.position_rows,
+                                                          device, autocast)
         except ConfigError as err:
             raise SystemExit(f"{PROG}: loss by position (--position-rows 0 skips it): {err}") from None
     return result
@@ -252,14 +258,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="autocast on CUDA (CPU runs fp32)")
     ev.add_argument("--tokenizer", help="bytes or a tokenizer.json (default: the run's)")
     ev.add_argument("--data", help="held-out data for the loss by position (default: the run's data.source)")
-    ev.add_argument("--position-rows", type=int, default=4, help="held-out rows for the loss by position (0: skip)")
+    ev.add_argument("--position-rows", type=int, default=4,
+                    help="held-out rows for the loss by position (0: skip)")
     ev.add_argument("--out", type=Path, help="directory for niah.json and niah.png")
     ev.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
 
     if args.command == "make-data":
         count = make_data(args.out, args.docs, args.min_length, args.max_length, args.seed)
-        print(f"make-data | {count} passkey documents of {args.min_length}-{args.max_length} bytes in {args.out}")
+        print(f"make-data | {count} passkey documents of {args.min_length}-{args.max_length} bytes in "
+              f"{args.out}")
         return 0
     if args.samples < 1 or args.batch < 1:
         raise SystemExit(f"{PROG}: --samples and --batch must be >= 1")

@@ -1,13 +1,28 @@
 """The single-device model: layers read like the math; parallelism is applied from outside."""
+from .architecture import architecture, architecture_differences
 from .attention import Attention
 from .build import build_model, part_names
 from .gated_deltanet import GatedDeltaNet, ShortConvolution
-from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of, mixer_flops_per_token
+from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of
 from .loss import TokenCrossEntropy
+from .mixers import (
+    FULL_ATTENTION,
+    MIXERS,
+    SLIDING_WINDOW,
+    GroupedKVHeads,
+    MixerKind,
+    TensorParallelLayout,
+    check_layers,
+    make_mixer,
+    mixer_flops_per_token,
+    mixer_kinds,
+)
 from .mlp import SwiGLU
 from .norm import GatedRMSNorm, RMSNorm
 from .sequence import SequenceInfo
 
 __all__ = ["Attention", "GatedDeltaNet", "ShortConvolution", "Block", "DroppedPart", "HybridLM", "LMOutput",
-           "blocks_of", "build_model", "part_names",
-           "mixer_flops_per_token", "TokenCrossEntropy", "SwiGLU", "GatedRMSNorm", "RMSNorm", "SequenceInfo"]
+           "blocks_of", "build_model", "part_names", "architecture", "architecture_differences",
+           "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_layers", "make_mixer",
+           "mixer_kinds", "mixer_flops_per_token", "FULL_ATTENTION", "SLIDING_WINDOW", "TokenCrossEntropy",
+           "SwiGLU", "GatedRMSNorm", "RMSNorm", "SequenceInfo"]

@@ -33,6 +33,7 @@ def part_seed(seed: int, name: str) -> int:
 
 
 def _make_part(name: str, config: ModelConfig) -> nn.Module:
+    part: nn.Module
     if name == "embeddings":
         part = nn.Embedding(config.vocab_size, config.hidden_size)
     elif name == "norm":
@@ -59,22 +60,17 @@ def build_model(config: ModelConfig, device, seed: int,
     if tied:
         wanted["embeddings"] = wanted["embeddings"] or wanted["lm_head"]
     devices = [device] if device.type == "cuda" else []
-    for name, kept in wanted.items():
-        if name == "lm_head" and tied:
-            continue
-        if kept:
+    for name, kept in wanted.items():  # embeddings come before lm_head
+        part: nn.Module | None = None
+        if kept and name == "lm_head" and tied:  # the embedding's weight: nothing to draw
+            part = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+            part.weight = model.embeddings.weight
+        elif kept:
             with torch.random.fork_rng(devices=devices), torch.device(device):
                 torch.manual_seed(part_seed(seed, name))
                 part = _make_part(name, config)
-        else:
-            part = DroppedPart() if name.startswith("layers.") else None
         if name.startswith("layers."):
-            model.layers[int(name.split(".")[1])] = part
+            model.layers[int(name.split(".")[1])] = DroppedPart() if part is None else part
         else:
             setattr(model, name, part)
-    if tied:
-        model.lm_head = None
-        if wanted["lm_head"]:
-            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-            model.lm_head.weight = model.embeddings.weight
     return model

@@ -29,6 +29,14 @@ class ShortConvolution(nn.Module):
                              cu_seqlens=seq.cu_seqlens, cp=seq.cp)
 
 
+NO_WEIGHT_DECAY = "_no_weight_decay"  # a parameter flag: no weight decay on it (train/optim.py)
+
+
+def _mark_no_weight_decay(*params: nn.Parameter) -> None:
+    for p in params:
+        setattr(p, NO_WEIGHT_DECAY, True)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -54,8 +62,7 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.rand(self.num_v_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
         dt = dt.clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
-        self.A_log._no_weight_decay = True
-        self.dt_bias._no_weight_decay = True
+        _mark_no_weight_decay(self.A_log, self.dt_bias)
         self.g_proj = nn.Linear(hidden, value_dim, bias=False) if config.gdn_use_gate else None
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(value_dim, hidden, bias=False)

@@ -1,4 +1,5 @@
-"""HybridLM: embeddings, a pattern of pre-norm blocks (G / S / A mixers + SwiGLU), norm, lm_head.
+"""HybridLM: embeddings, a pattern of pre-norm blocks (a token mixer of model/mixers.py + SwiGLU), norm,
+lm_head.
 
 Written once for one device; parallelism is applied from gdn_parallel.parallel.
 """
@@ -12,22 +13,11 @@ from torch import nn
 
 from ..config import IGNORE_INDEX, ModelConfig
 from ..ops.rope import positions_from_cu_seqlens
-from .attention import Attention
-from .gated_deltanet import GatedDeltaNet
 from .loss import LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
+from .mixers import MIXERS, check_layers, make_mixer, mixer_flops_per_token
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .sequence import SequenceInfo
-
-
-def mixer_flops_per_token(symbol: str, config: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of a token mixer beyond its matrix parameters: attention scores over the
-    visible keys, or the GDN chunk algorithm's products."""
-    if symbol in "SA":
-        visible = min(config.window_size, seq_len) if symbol == "S" else seq_len / 2
-        return 4 * visible * config.attn_num_heads * config.attn_dim
-    C, K, V = config.gdn_chunk_size, config.gdn_head_dim, config.head_v_dim
-    return config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
 
 
 class DroppedPart(nn.Module):
@@ -49,28 +39,19 @@ def blocks_of(module: nn.Module) -> list:
 
 def init_linear_weights(module: nn.Module, config: ModelConfig) -> None:
     """Normal(0, initializer_range) for the linears and embeddings inside `module`; the residual
-    outputs of its blocks scaled by 1/sqrt(2 * n_layers) (GPT-2 style). A_log, dt_bias, convs and
-    norms keep their own init."""
+    outputs of its blocks (each mixer's registered output projection, the MLP's down projection)
+    scaled by 1/sqrt(2 * n_layers) (GPT-2 style). A_log, dt_bias, convs and norms keep their own init."""
     std = config.initializer_range
     with torch.no_grad():
         for sub in module.modules():
             if isinstance(sub, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(sub.weight, mean=0.0, std=std)
-                if getattr(sub, "bias", None) is not None:
+                if isinstance(sub, nn.Linear) and sub.bias is not None:
                     nn.init.zeros_(sub.bias)
         for block in (m for m in module.modules() if isinstance(m, Block)):
-            for out_proj in (block.attn.o_proj, block.mlp.down_proj):
+            mixer_out = getattr(block.attn, MIXERS[block.symbol].output_projection)
+            for out_proj in (mixer_out, block.mlp.down_proj):
                 out_proj.weight.div_(math.sqrt(2 * config.n_layers))
-
-
-def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:
-    if symbol == "G":
-        return GatedDeltaNet(config)
-    if symbol == "S":
-        return Attention(config, window=config.window_size)
-    if symbol == "A":
-        return Attention(config, window=None)
-    raise ValueError(f"unknown layer symbol {symbol!r} in model.layer_pattern; use G, S or A")
 
 
 class Block(nn.Module):
@@ -104,9 +85,12 @@ class LMOutput:
 
 
 class HybridLM(nn.Module):
+    criterion: nn.Module  # parallelism swaps in its own (parallel/tensor.py: vocab-parallel cross-entropy)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
+        check_layers(config)
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(s, config) for s in config.layer_types)
@@ -158,7 +142,8 @@ class HybridLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward): 6 per matmul parameter plus
-        the token mixers' own work (attention scores over the visible keys; the GDN chunk algorithm)."""
+        the token mixers' own work (MixerKind.flops_per_token: attention scores over the visible keys,
+        the GDN chunk algorithm)."""
         config = self.config
         matmul_params = self.num_parameters(exclude_embeddings=True)
         if config.tie_word_embeddings:

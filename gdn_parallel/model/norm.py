@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.triton_dispatch import auto_uses_triton, kernel_module
+from ..ops.triton_dispatch import auto_uses_triton, imported_kernel
 
 
 class RMSNorm(nn.Module):
@@ -25,26 +25,26 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(RMSNorm):
     """rmsnorm(x) * weight * silu(gate): normalise first, then gate (flash-linear-attention's order)."""
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, gate)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor = None,
-             out_dtype: torch.dtype = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight [* silu(gate)] over the last dim, in fp32 for half inputs;
     the result in out_dtype (default x's dtype).
 
     On CUDA the fused Triton kernel serves (x read once, forward and backward); elsewhere, or where
     it does not apply, the PyTorch formula below."""
     if _fused_applies(x, gate):
-        return kernel_module("norms").triton_rms_norm(x, weight, eps, gate, out_dtype)
+        return imported_kernel("norms").triton_rms_norm(x, weight, eps, gate, out_dtype)
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = (normed * weight.to(normed.dtype)).to(out_dtype or x.dtype)
     return out if gate is None else out * F.silu(gate.to(out.dtype))
 
 
-def _autocast_dtype(x: torch.Tensor):
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype for x's device when autocast is on there and x is wider, else None."""
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
@@ -53,7 +53,7 @@ def _autocast_dtype(x: torch.Tensor):
     return dtype if x.dtype.itemsize > dtype.itemsize else None
 
 
-def _fused_applies(x: torch.Tensor, gate) -> bool:
+def _fused_applies(x: torch.Tensor, gate: torch.Tensor | None) -> bool:
     # the kernel holds a row in registers and reads the gate element for element (no broadcasting)
-    return (auto_uses_triton(x, "norms") and x.shape[-1] <= kernel_module("norms").MAX_HIDDEN
+    return (auto_uses_triton(x, "norms") and x.shape[-1] <= imported_kernel("norms").MAX_HIDDEN
             and (gate is None or gate.shape == x.shape))

@@ -46,7 +46,8 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
         raise ValueError("position_ids must be an integer tensor [B, T] or [T]")
     if position_ids.dim() == 1:
         if position_ids.shape[0] != T:
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [{T}] for x {tuple(x.shape)}")
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [{T}] "
+                             f"for x {tuple(x.shape)}")
         position_ids = position_ids.unsqueeze(0)
     elif position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [{B}, {T}] or [{T}]")

@@ -31,9 +31,20 @@ def kernel_module(name: str) -> ModuleType | None:
     except ImportError as err:
         triton_missing = getattr(err, "name", None) == "triton"
         if torch.cuda.is_available() or not triton_missing:
-            warnings.warn(f"gdn_kernels.{name} does not import ({type(err).__name__}: {err}); impl='auto' runs "
-                          f"the PyTorch path instead of the Triton kernels", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"gdn_kernels.{name} does not import ({type(err).__name__}: {err}); impl='auto' "
+                          f"runs the PyTorch path instead of the Triton kernels", RuntimeWarning,
+                          stacklevel=2)
         return None
+
+
+def imported_kernel(name: str) -> ModuleType:
+    """gdn_kernels.<name> where the caller has checked that it imports (auto_uses_triton,
+    check_triton_input): TritonUnavailable, naming the module, if it does not."""
+    module = kernel_module(name)
+    if module is None:
+        raise TritonUnavailable(f"gdn_kernels.{name} does not import (triton or gdn_kernels is missing or "
+                                f"broken): the Triton kernels cannot run here")
+    return module
 
 
 def auto_uses_triton(x: torch.Tensor, name: str) -> bool:
@@ -71,8 +82,8 @@ def check_kernel_config(model: ModelConfig, on_cuda: bool, dtype: str) -> None:
             raise ConfigError(f"model.gdn_impl='triton' cannot run on the CPU: {err}") from None
     kernels = kernel_module("gated_delta_rule") if runs_kernels else None
     if kernels is not None and model.gdn_chunk_size != kernels.CHUNK:
-        raise ConfigError(f"model.gdn_chunk_size={model.gdn_chunk_size}: model.gdn_impl={impl!r} runs the Triton "
-                          f"kernels here, which process chunks of {kernels.CHUNK} tokens; set "
+        raise ConfigError(f"model.gdn_chunk_size={model.gdn_chunk_size}: model.gdn_impl={impl!r} runs the "
+                          f"Triton kernels here, which process chunks of {kernels.CHUNK} tokens; set "
                           f"model.gdn_chunk_size={kernels.CHUNK} or model.gdn_impl='chunk'")
     if runs_kernels and on_cuda and dtype == "float32" and model.gdn_head_dim > 128:
         # The backward now splits the key columns where [64, K] fp32 tiles do not fit (sm_90 compile:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import overload
 
 import torch
 
@@ -15,6 +16,13 @@ def values_checked(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" or os.environ.get("GDN_PARALLEL_CHECK_VALUES") == "1"
 
 
+@overload
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, total: int, name: str = ...) -> torch.Tensor: ...
+@overload
+def check_cu_seqlens(cu_seqlens: None, batch: int, total: int, name: str = ...) -> None: ...
+@overload
+def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, total: int,
+                     name: str = ...) -> torch.Tensor | None: ...
 def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, total: int,
                      name: str = "cu_seqlens") -> torch.Tensor | None:
     """Validate document boundaries of a packed row: int, 1-D, starts at 0, increasing, ends at T.

@@ -63,5 +63,5 @@ def _checkpointed_forward(forward, *args, **kwargs):
         return forward(*args, **kwargs)
     log = ReplayLog()
     with set_checkpoint_early_stop(False):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (log.recording(), log.replaying()),
-                          **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=lambda: (log.recording(), log.replaying()), **kwargs)

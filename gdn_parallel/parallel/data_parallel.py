@@ -1,4 +1,5 @@
-"""Data parallelism over dp (and the gradient reduction over dp x cp), applied from outside (docs/design.md §3).
+"""Data parallelism over dp (and the gradient reduction over dp x cp), applied from outside
+(docs/design.md §3).
 
 `apply_data_parallel(module, dims, config)` wraps a whole HybridLM or a pipeline-stage module (its
 blocks in `module.layers`, an nn.ModuleList or nn.ModuleDict):
@@ -53,6 +54,8 @@ def hsdp_mesh(dims: ParallelDims) -> DeviceMesh:
     mesh = dims.mesh
     names = mesh.mesh_dim_names
     coord = mesh.get_coordinate()
+    if names is None or coord is None:
+        raise ValueError("hsdp_mesh needs a mesh with named dims that holds this rank (build_mesh's)")
     index = tuple(slice(None) if name in ("dp", "cp") else coord[i] for i, name in enumerate(names))
     ranks = mesh.mesh[index]                       # pp and tp fixed at this rank's place
     if names.index("dp") < names.index("cp"):      # [dp, cp] -> [cp, dp]
@@ -164,7 +167,10 @@ def _mesh_device(dims: ParallelDims) -> torch.device:
 
 
 def _group(dims: ParallelDims, name: str):
-    return dims.group(name) if dims.mesh.size(dims.mesh.mesh_dim_names.index(name)) > 1 else None
+    names = dims.mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("the mesh's dims are not named (build it with build_mesh)")
+    return dims.group(name) if dims.mesh.size(names.index(name)) > 1 else None
 
 
 @torch.no_grad()
@@ -180,41 +186,15 @@ def clip_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: 
     cp replicas hold identical gradients after the reduction: counted once.
     A collective over the whole mesh: every rank must call it (with its own stage's parameters).
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
-    acc = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
-    device = params[0].grad.device if params else _mesh_device(dims)
-
-    # local gradients grouped by (mesh dims to sum over, sharded over tp?, device, dtype)
-    groups: dict = {}
-    meshes: dict = {}
-    for p in params:
-        g, shard_key = p.grad, None
-        if isinstance(g, DTensor):
-            mesh = g.device_mesh
-            dims_ = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard) and mesh.size(i) > 1)
-            if dims_:
-                shard_key = (mesh.mesh_dim_names, dims_)
-                meshes.setdefault(shard_key, mesh)
-            g = g.to_local()
-        tp_sharded = getattr(p, "_tp_shard_dim", None) is not None
-        groups.setdefault((shard_key, tp_sharded, g.device, g.dtype), []).append(g)
-
-    # [replicated over tp, sharded over tp] squared norms, per DTensor sharding (insertion order
-    # is the parameter order, the same on every rank of a dp group)
-    sums: dict = {}
-    for (shard_key, tp_sharded, _, _), grads in groups.items():
-        nonempty = [g for g in grads if g.numel()]
-        if not nonempty:
-            continue
-        norms = torch._foreach_norm(nonempty, 2, dtype=acc)
-        entry = sums.setdefault(shard_key, torch.zeros(2, dtype=acc, device=device))
-        entry[int(tp_sharded)] += torch.stack(norms).to(device).square().sum()
-    totals = torch.zeros(2, dtype=acc, device=device)
-    for shard_key, entry in sums.items():
+    grads = [p.grad for p in params if p.grad is not None]   # the same, typed as not None
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    device = grads[0].device if grads else _mesh_device(dims)
+    groups, meshes = _gradient_groups(params)
+    totals = torch.zeros(2, dtype=acc, device=device)   # [replicated over tp, sharded over tp]
+    for shard_key, entry in _squared_sums(groups, acc, device).items():
         if shard_key is not None:
             mesh = meshes[shard_key]
             for i in shard_key[1]:
@@ -233,6 +213,42 @@ def clip_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: 
     for (_, _, dev, dtype), grads in groups.items():
         torch._foreach_mul_(grads, coef.to(device=dev, dtype=dtype))
     return total_norm
+
+
+def _gradient_groups(params: list) -> tuple[dict, dict]:
+    """The local gradients grouped by (the DTensor mesh dims their squares sum over, sharded over
+    tp?, device, dtype), and the mesh of each such sharding. Insertion order is the parameter
+    order, the same on every rank of a dp group, so the reductions that follow pair up."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    groups: dict = {}
+    meshes: dict = {}
+    for p in params:
+        g, shard_key = p.grad, None
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            sharded = tuple(i for i, placement in enumerate(g.placements)
+                            if isinstance(placement, Shard) and mesh.size(i) > 1)
+            if sharded:
+                shard_key = (mesh.mesh_dim_names, sharded)
+                meshes.setdefault(shard_key, mesh)
+            g = g.to_local()
+        tp_sharded = getattr(p, "_tp_shard_dim", None) is not None
+        groups.setdefault((shard_key, tp_sharded, g.device, g.dtype), []).append(g)
+    return groups, meshes
+
+
+def _squared_sums(groups: dict, acc: torch.dtype, device: torch.device) -> dict:
+    """Per DTensor sharding: this rank's [replicated over tp, sharded over tp] squared norms."""
+    sums: dict = {}
+    for (shard_key, tp_sharded, _, _), grads in groups.items():
+        nonempty = [g for g in grads if g.numel()]
+        if not nonempty:
+            continue
+        norms = torch._foreach_norm(nonempty, 2, dtype=acc)
+        entry = sums.setdefault(shard_key, torch.zeros(2, dtype=acc, device=device))
+        entry[int(tp_sharded)] += torch.stack(norms).to(device).square().sum()
+    return sums
 
 
 def global_label_count(local_count: int | torch.Tensor, dims: ParallelDims) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -61,9 +62,10 @@ def build_mesh(config: ParallelConfig, device_type: str, timeout: timedelta | No
     """Validate the layout against the world and build the mesh (needs an initialised process group);
     its groups wait `timeout` for a peer (torch's default when None)."""
     config.validate(world_size=dist.get_world_size())
-    shape = (config.pp, config.dp, config.cp, config.tp)
+    shape = tuple(getattr(config, dim) for dim in MESH_DIMS)
     options = group_options(device_type, timeout)
     if not _accepts(init_device_mesh, "backend_override"):
         options = None
-    kwargs = {"backend_override": {dim: options for dim in MESH_DIMS}} if options else {}
-    return ParallelDims(config, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, **kwargs), options)
+    kwargs: dict[str, Any] = {"backend_override": {dim: options for dim in MESH_DIMS}} if options else {}
+    return ParallelDims(config, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, **kwargs),
+                        options)

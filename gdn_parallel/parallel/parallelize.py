@@ -21,12 +21,12 @@ from torch import nn
 
 from ..comm import sends_finished
 from ..config import IGNORE_INDEX, ParallelConfig
-from ..model import HybridLM
+from ..model import HybridLM, check_layers
 from .batch import all_reduce_gradients, shard_batch
 from .checkpointing import apply_activation_checkpointing
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from .mesh import ParallelDims
-from .pipeline import as_microbatch, build_pipeline
+from .pipeline import DEFAULT_BALANCE_SEQ_LEN, PipelineRunner, as_microbatch, build_pipeline
 from .tensor import apply_tensor_parallel, reduce_tp_partial_grads
 
 
@@ -36,7 +36,7 @@ class ParallelModel:
     train_module: nn.Module         # what runs the forward when pp == 1 (the DDP wrapper, or model)
     dims: ParallelDims
     config: ParallelConfig
-    runner: object | None = None  # PipelineRunner when pp > 1
+    runner: PipelineRunner | None = None  # when pp > 1
 
     # ------------------------------------------------------------------ what the trainer drives
     def parameters(self) -> list[nn.Parameter]:
@@ -57,8 +57,8 @@ class ParallelModel:
         Gradients end reduced over every dimension; returns the step's global mean loss (same on
         every rank). `scaler` (a GradScaler, fp16 without pipelining) scales each backward."""
         if scaler is not None and self.runner is not None:
-            raise ValueError("a loss scaler (train.dtype=float16) is not supported with pipeline parallelism; "
-                             "use bfloat16")
+            raise ValueError("a loss scaler (train.dtype=float16) is not supported with pipeline "
+                             "parallelism; use bfloat16")
         local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
         normalizer = max(global_label_count(local_labels, self.dims), 1)
         microbatches = [self._shard(row) for row in rows]
@@ -87,13 +87,15 @@ class ParallelModel:
         module.eval()
         try:
             with sends_finished(plans), _autocast(autocast_dtype, rows[0].input_ids.device):
-                if self.runner is not None:  # this replica's (and cp shard's) share, as every pp rank holds it
+                if self.runner is not None:
+                    # this replica's (and cp shard's) share, as every pp rank holds it
                     total = self.runner.evaluate(microbatches, label_normalizer=1.0).float()
                 else:
                     total = None
                     for mb in microbatches:
                         mb = as_microbatch(mb, self.model)
-                        loss_sum = module(mb.input_ids, labels=mb.labels, seq=mb.seq).loss_sum.detach().float()
+                        out = module(mb.input_ids, labels=mb.labels, seq=mb.seq)
+                        loss_sum = out.loss_sum.detach().float()
                         total = loss_sum if total is None else total + loss_sum
         finally:
             module.train(was_training)
@@ -125,7 +127,7 @@ class ParallelModel:
         return shard_batch(row, self.dims.rank("cp"), self.config.cp, self.dims.group("cp"),
                            self.config.cp_algorithm)
 
-    def _accumulate(self, microbatches, normalizer, scaler=None) -> torch.Tensor:
+    def _accumulate(self, microbatches, normalizer, scaler=None) -> torch.Tensor | None:
         total = None
         for i, mb in enumerate(microbatches):
             last = i == len(microbatches) - 1
@@ -140,10 +142,12 @@ class ParallelModel:
     def _gradient_sync(self, last: bool):
         """Reduce gradients only with the last microbatch (DDP no_sync / FSDP2 sync switch)."""
         module = self.train_module
-        if hasattr(module, "no_sync") and not last:
-            return module.no_sync()
-        if hasattr(module, "set_requires_gradient_sync"):
-            module.set_requires_gradient_sync(last)
+        no_sync = getattr(module, "no_sync", None)
+        if no_sync is not None and not last:
+            return no_sync()
+        set_sync = getattr(module, "set_requires_gradient_sync", None)
+        if set_sync is not None:
+            set_sync(last)
         return contextlib.nullcontext()
 
     def _reduce_gradients(self) -> None:
@@ -156,6 +160,8 @@ class ParallelModel:
             all_reduce_gradients(self.model, self.dims.dp_cp_mesh.get_group())
 
     def _global_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        if loss is None:  # every caller passes at least one microbatch; the pipeline broadcasts its loss
+            raise RuntimeError("no loss to reduce: the step ran no microbatch on this rank")
         loss = loss.detach().clone()
         if self.config.dp * self.config.cp > 1:
             dist.all_reduce(loss, group=self.dims.dp_cp_mesh.get_group())
@@ -170,6 +176,7 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | No
     `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py)."""
     config = config or dims.config
     config.validate(model.config)
+    check_layers(model.config, config.tp)
     device = device or next(model.parameters()).device
     apply_activation_checkpointing(model, activation_checkpointing)   # first: wraps blocks in place
     if config.tp > 1:
@@ -177,8 +184,8 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | No
     runner = None
     train_module: nn.Module = model
     if config.pp > 1:
-        kwargs = {"seq_len": seq_len} if seq_len else {}
-        runner = build_pipeline(model, config, device, pp_group=dims.group("pp"), **kwargs)
+        runner = build_pipeline(model, config, device, pp_group=dims.group("pp"),
+                                seq_len=seq_len or DEFAULT_BALANCE_SEQ_LEN)
         if config.dp * config.cp > 1 and config.data_parallel == "fsdp":
             for stage in runner.stage_modules:
                 apply_data_parallel(stage, dims, config, param_dtype)

@@ -125,16 +125,22 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> list[
     return [pp_rank + v * pp_size for v in range(virtual_stages)]
 
 
+def stages_per_rank(parallel_config: ParallelConfig) -> int:
+    """Pipeline stages each pp rank holds: parallel.virtual_stages under the interleaved schedule."""
+    interleaved = parallel_config.pp_schedule == "interleaved" and parallel_config.pp > 1
+    return parallel_config.virtual_stages if interleaved else 1
+
+
 def parts_of_rank(model_config: ModelConfig, parallel_config: ParallelConfig, pp_rank: int,
                   seq_len: int = DEFAULT_BALANCE_SEQ_LEN) -> set:
     """The model parts (model/build.py names) pipeline rank `pp_rank` holds: its stages' layers, the
     embeddings on the first stage, the final norm and lm_head on the last. Every part when pp == 1."""
     if parallel_config.pp == 1:
         return set(part_names(model_config))
-    virtual = parallel_config.virtual_stages if parallel_config.pp_schedule == "interleaved" else 1
+    virtual = stages_per_rank(parallel_config)
     num_stages = parallel_config.pp * virtual
     ranges = stage_layer_ranges(model_config, num_stages, seq_len)
-    parts = set()
+    parts: set[str] = set()
     for stage in stage_ids_for_rank(pp_rank, parallel_config.pp, virtual):
         start, end = ranges[stage]
         parts.update(f"layers.{i}" for i in range(start, end))
@@ -230,13 +236,21 @@ class StageModule(nn.Module):
             mb = self._microbatch()
             seq = seq if seq is not None else mb.seq
             labels = labels if labels is not None else mb.labels
-        hidden = self.embeddings(x) if self.is_first else x
+        hidden = x
+        if self.is_first:
+            if self.embeddings is None:
+                raise RuntimeError(f"stage {self.stage_id} is the first but holds no embeddings")
+            hidden = self.embeddings(x)
         for layer in self.layers.values():
             hidden = layer(hidden, seq)
         if not self.is_last:
             # No-ops normally; keep the static activation metadata (shape, dtype and, torch 2.11
             # checks it, stride) exact whatever autocast or a layer does.
             return hidden.to(self.hidden_dtype).contiguous()
+        if self.criterion is None or self.lm_head is None or self.norm is None:
+            raise RuntimeError(f"stage {self.stage_id} is the last but holds no norm, lm_head or criterion")
+        if labels is None:
+            raise RuntimeError(f"the last stage {self.stage_id} ran a forward without labels")
         # lm_head_loss: a fused criterion (fuses_lm_head) takes lm_head's weight, not the logits.
         return lm_head_loss(self.criterion, self.lm_head, self.norm(hidden), labels).to(self.loss_dtype)
 
@@ -295,17 +309,13 @@ class PipelineRunner:
             dist.get_world_size(pp_group) if distributed else 1)
         self.pp_rank = pp_rank if pp_rank is not None else (
             dist.get_rank(pp_group) if distributed else 0)
+        # The config was validated (ParallelConfig.validate: schedule, stages, layers); what is left to
+        # check is that the process group it is run on is the one it describes.
         if self.pp_size != parallel_config.pp:
             raise ConfigError(f"the pipeline group has {self.pp_size} ranks but parallel.pp="
                               f"{parallel_config.pp}")
-        if parallel_config.pp_schedule not in ("1f1b", "interleaved"):
-            raise ConfigError(f"parallel.pp_schedule={parallel_config.pp_schedule!r}; "
-                              "choose 1f1b or interleaved")
-        self.interleaved = parallel_config.pp_schedule == "interleaved" and self.pp_size > 1
-        virtual = parallel_config.virtual_stages if self.interleaved else 1
-        if parallel_config.pp_schedule == "1f1b" and parallel_config.virtual_stages != 1:
-            raise ConfigError(f"parallel.virtual_stages={parallel_config.virtual_stages} needs "
-                              "parallel.pp_schedule=interleaved")
+        virtual = stages_per_rank(parallel_config)
+        self.interleaved = virtual > 1
         self.num_stages = self.pp_size * virtual
         self.layer_ranges = list(layer_ranges) if layer_ranges is not None else \
             stage_layer_ranges(model.config, self.num_stages, seq_len)
@@ -320,7 +330,7 @@ class PipelineRunner:
         self.tied = model.config.tie_word_embeddings
         self._label_normalizer = 1.0
         self._schedule = None
-        self._schedule_key = None
+        self._schedule_key: tuple | None = None
 
     # -- parameters ----------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -413,7 +423,7 @@ class PipelineRunner:
             # target per microbatch for its loss function.
             target = torch.zeros(len(mbs), device=self.device) if self.has_last_stage else None
             losses: list = []
-            kwargs = {"target": target, "losses": losses}
+            kwargs: dict[str, Any] = {"target": target, "losses": losses}
             if _accepts(schedule.step, "return_outputs"):
                 kwargs["return_outputs"] = False
             schedule.step(*args, **kwargs)
@@ -475,6 +485,8 @@ class PipelineRunner:
             loss = loss / self._label_normalizer
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+        if total is None:
+            raise ValueError("no microbatches to run (step() checks there is at least one)")
         return total
 
     def _sum_tied_gradients(self) -> None:

@@ -4,10 +4,10 @@
 initialised identically on every rank; each rank keeps its slice of the full weights:
 
 - token mixers and MLPs split their heads / width over tp: column-parallel projections in (output
-  rows), row-parallel projections out (input columns), plain local nn.Linear shards inside. GDN:
-  q/k rows by q/k head, v/g/a/b rows by value head (the value heads of a q/k head are contiguous,
-  so splitting both counts evenly keeps each group on one rank), conv channels with their
-  projection, A_log/dt_bias by value head. Attention: q/output-gate rows, KV heads split when
+  rows), row-parallel projections out (input columns), plain local nn.Linear shards inside. Each
+  mixer's plan is data on its registry entry (model/mixers.py, `MixerKind.tensor_parallel`), read
+  here by one interpreter (`_shard_mixer`): e.g. GDN q/k rows by q/k head, v/g/a/b rows, conv
+  channels and A_log/dt_bias by value head; attention q/output-gate rows, KV heads split when
   num_kv_heads % tp == 0, otherwise replicated (each rank keeps all KV weights and computes the
   one head its query heads read). MLP: gate/up rows, down columns.
 - communication only at region boundaries (tensor_collectives): forward hooks on each Block's
@@ -33,13 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import Attention, GatedDeltaNet, HybridLM, SwiGLU, blocks_of
+from ..model import MIXERS, HybridLM, SwiGLU, TensorParallelLayout, blocks_of
 from ..ops.cross_entropy import linear_cross_entropy
 from .batch import all_reduce_flat
 from .tensor_collectives import (
@@ -57,6 +58,11 @@ __all__ = ["apply_tensor_parallel", "reduce_tp_partial_grads", "full_tensor", "s
            "VocabParallelLinearCrossEntropy", "ReplicatedHeadLinear"]
 
 
+# Parameter metadata attributes (module docstring), set by _mark_shard_dim and _mark_partial.
+TP_SHARD_DIM, TP_PARTIAL_GRAD = "_tp_shard_dim", "_tp_partial_grad"
+PLAN_ATTRIBUTE = "tensor_parallel"  # the model's TensorParallelPlan, once applied
+
+
 @dataclass
 class TensorParallelPlan:
     group: dist.ProcessGroup
@@ -68,18 +74,13 @@ class TensorParallelPlan:
 def apply_tensor_parallel(model: HybridLM, tp_group, sequence_parallel: bool = False) -> None:
     """In place. Also takes a pipeline stage of a HybridLM: `layers` may be an nn.ModuleDict and
     embeddings / norm / lm_head may be missing or None on the stages that do not own them."""
-    if getattr(model, "tensor_parallel", None) is not None:
+    if getattr(model, PLAN_ATTRIBUTE, None) is not None:
         raise RuntimeError("apply_tensor_parallel was already applied to this model")
     plan = TensorParallelPlan(tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group),
                               sequence_parallel)
     shard = _Sharder(plan.size, plan.rank)
     for block in blocks_of(model):
-        if isinstance(block.attn, GatedDeltaNet):
-            _shard_gdn(block.attn, shard)
-        elif isinstance(block.attn, Attention):
-            _shard_attention(block.attn, shard)
-        else:
-            raise TypeError(f"no tensor-parallel plan for mixer {type(block.attn).__name__}")
+        _shard_mixer(block.attn, MIXERS[block.symbol].tensor_parallel, shard)
         _shard_mlp(block.mlp, shard)
         for region in (block.attn, block.mlp):
             _make_region(region, plan)
@@ -88,7 +89,9 @@ def apply_tensor_parallel(model: HybridLM, tp_group, sequence_parallel: bool = F
 
     # Embedding and lm_head are both split by vocabulary rows; a tied weight is sliced once.
     if getattr(model, "embeddings", None) is not None:
-        model.embeddings = VocabParallelEmbedding(shard(model.embeddings, "weight", 0), plan)
+        embeddings = VocabParallelEmbedding(shard(model.embeddings, "weight", 0), plan)
+        # a drop-in for the nn.Embedding (weight, num_embeddings, embedding_dim; called on the ids)
+        model.embeddings = cast(nn.Embedding, embeddings)
     if sequence_parallel and getattr(model, "norm", None) is not None:
         _mark_partial(model.norm.weight)
     if getattr(model, "lm_head", None) is not None:
@@ -100,7 +103,7 @@ def apply_tensor_parallel(model: HybridLM, tp_group, sequence_parallel: bool = F
             model.criterion = VocabParallelLinearCrossEntropy(plan, chunk_tokens)
         else:
             model.criterion = VocabParallelCrossEntropy(tp_group)
-    model.tensor_parallel = plan
+    setattr(model, PLAN_ATTRIBUTE, plan)
 
 
 # ---------------------------------------------------------------- slicing the layers
@@ -109,7 +112,8 @@ class _Sharder:
     head counts divide by tp). Remembers what it sliced, so a tied weight stays one parameter."""
 
     def __init__(self, size: int, rank: int):
-        self.size, self.rank, self.done = size, rank, {}
+        self.size, self.rank = size, rank
+        self.done: dict[int, nn.Parameter] = {}
 
     def __call__(self, module: nn.Module, name: str, dim: int):
         full = getattr(module, name)
@@ -123,7 +127,7 @@ class _Sharder:
             local = nn.Parameter(full.detach().narrow(dim, self.rank * piece, piece).clone(),
                                  requires_grad=full.requires_grad)
             local.__dict__.update(full.__dict__)  # keep flags such as _no_weight_decay
-            local._tp_shard_dim = dim
+            _mark_shard_dim(local, dim)
             self.done[id(full)] = local
         setattr(module, name, self.done[id(full)])
         return self.done[id(full)]
@@ -140,37 +144,47 @@ class _Sharder:
         self(linear, "weight", 1)
 
 
-def _shard_gdn(m: GatedDeltaNet, shard: _Sharder) -> None:
-    for proj in (m.q_proj, m.k_proj, m.v_proj, m.a_proj, m.b_proj):
-        shard.column(proj)
-    if m.g_proj is not None:
-        shard.column(m.g_proj)
-    for conv in (m.q_conv1d, m.k_conv1d, m.v_conv1d):  # depthwise: channels follow the projection
-        shard(conv, "weight", 0)
-        shard(conv, "bias", 0)
-    shard(m, "A_log", 0)
-    shard(m, "dt_bias", 0)
-    shard.row(m.o_proj)
-    _mark_partial(m.o_norm.weight)  # one weight shared by all heads; each rank sees its heads only
-    m.num_heads //= shard.size
-    m.num_v_heads //= shard.size
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    """(the module holding attribute `path` of `module`, its last name); None when a module on the way
+    is absent (an optional part)."""
+    *parents, name = path.split(".")
+    for parent in parents:
+        module = getattr(module, parent)
+        if module is None:
+            return None, name
+    return module, name
 
 
-def _shard_attention(m: Attention, shard: _Sharder) -> None:
-    shard.column(m.q_proj)
-    if m.g_proj is not None:
-        shard.column(m.g_proj)
-    if m.num_kv_heads % shard.size == 0:
-        shard.column(m.k_proj)
-        shard.column(m.v_proj)
-        m.num_kv_heads //= shard.size
-    else:  # fewer KV heads than ranks (tp % num_kv_heads == 0): this rank's query heads read one
-        head = shard.rank // (shard.size // m.num_kv_heads)
-        m.k_proj = ReplicatedHeadLinear(m.k_proj, head, m.head_dim)
-        m.v_proj = ReplicatedHeadLinear(m.v_proj, head, m.head_dim)
-        m.num_kv_heads = 1
-    shard.row(m.o_proj)
-    m.num_heads //= shard.size
+def _shard_mixer(m: nn.Module, layout: TensorParallelLayout, shard: _Sharder) -> None:
+    """Apply a mixer's registered plan (model/mixers.py); optional parts that are None are skipped."""
+    for path in layout.column:
+        owner, name = _owner(m, path)
+        if owner is not None and getattr(owner, name) is not None:
+            shard.column(getattr(owner, name))
+    for path, dim in layout.split:
+        owner, name = _owner(m, path)
+        if owner is not None:
+            shard(owner, name, dim)
+    kv = layout.grouped_kv
+    if kv is not None:
+        count = getattr(m, kv.count)
+        if count % shard.size == 0:
+            for path in kv.projections:
+                shard.column(getattr(m, path))
+            setattr(m, kv.count, count // shard.size)
+        else:  # fewer KV heads than ranks (tp % count == 0): this rank's query heads read one
+            head = shard.rank // (shard.size // count)
+            for path in kv.projections:
+                setattr(m, path, ReplicatedHeadLinear(getattr(m, path), head, getattr(m, kv.head_dim)))
+            setattr(m, kv.count, 1)
+    for path in layout.row:
+        owner, name = _owner(m, path)
+        shard.row(getattr(owner, name))
+    for path in layout.partial_grad:
+        owner, name = _owner(m, path)
+        _mark_partial(getattr(owner, name))
+    for name in layout.heads:
+        setattr(m, name, getattr(m, name) // shard.size)
 
 
 def _shard_mlp(m: SwiGLU, shard: _Sharder) -> None:
@@ -179,9 +193,15 @@ def _shard_mlp(m: SwiGLU, shard: _Sharder) -> None:
     shard.row(m.down_proj)
 
 
-def _mark_partial(*params: nn.Parameter) -> None:
+def _mark_shard_dim(param: nn.Parameter, dim: int) -> None:
+    """Record that `param` is this rank's slice along `dim` (module docstring: parameter metadata)."""
+    setattr(param, TP_SHARD_DIM, dim)
+
+
+def _mark_partial(*params: torch.Tensor) -> None:
+    """Flag parameters whose gradient is a partial sum over tp (module docstring: parameter metadata)."""
     for p in params:
-        p._tp_partial_grad = True
+        setattr(p, TP_PARTIAL_GRAD, True)
 
 
 def _make_region(module: nn.Module, plan: TensorParallelPlan) -> None:
@@ -274,7 +294,7 @@ def reduce_tp_partial_grads(model: nn.Module, tp_group) -> None:
     Call once per step after backward (after gradient accumulation), before clipping and the
     optimizer step. It commutes with the dp x cp reduction (both are sums over orthogonal groups)."""
     all_reduce_flat([_local(p.grad) for p in model.parameters()
-                     if getattr(p, "_tp_partial_grad", False) and p.grad is not None], tp_group)
+                     if getattr(p, TP_PARTIAL_GRAD, False) and p.grad is not None], tp_group)
 
 
 def full_tensor(t: torch.Tensor, param: nn.Parameter, tp_group) -> torch.Tensor:
@@ -282,7 +302,7 @@ def full_tensor(t: torch.Tensor, param: nn.Parameter, tp_group) -> torch.Tensor:
     `param._tp_shard_dim` when sharded over tp (an FSDP2 DTensor is first gathered over dp).
     A collective: every tp rank must call it for the same parameter."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    dim = getattr(param, "_tp_shard_dim", None)
+    dim = getattr(param, TP_SHARD_DIM, None)
     return t.detach() if dim is None else all_gather_dim(t.detach(), tp_group, dim)
 
 

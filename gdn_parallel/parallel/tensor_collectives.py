@@ -62,7 +62,8 @@ def reduce_scatter_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 def split_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
-        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split over {size} tensor-parallel ranks")
+        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split over {size} "
+                         f"tensor-parallel ranks")
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 

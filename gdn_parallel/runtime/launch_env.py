@@ -3,7 +3,8 @@
     env = detect_launch_env()                  # None: one plain process
     argv = strip_launcher_args(sys.argv[1:])   # DeepSpeed's --local_rank=N is not the trainer's option
     if env is not None:
-        device = init_distributed(env, config.train.collective_timeout_s)  # exports RANK, ...; init_process_group
+        # exports RANK, ...; init_process_group
+        device = init_distributed(env, config.train.collective_timeout_s)
 
 Launchers, in order of precedence (the first whose variables are present wins):
 
@@ -142,7 +143,8 @@ def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_t
         if store is None:
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
     except RuntimeError as err:  # the store's and the backends' errors (torch.distributed.DistError, gloo's)
         raise GroupJoinError(f"{env}: could not join the process group within train.collective_timeout_s="
                              f"{timeout_s:g} s: {err}\n{restart_advice()}") from err
@@ -171,10 +173,11 @@ def restart_advice() -> str:
     """What a user can do after a rank of this job failed, and what torchrun does next by itself."""
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
-    cause = ("A peer process ended (killed, crashed, out of memory) or is stuck: the first error in the other "
-             "ranks' output is the cause.")
+    cause = ("A peer process ended (killed, crashed, out of memory) or is stuck: the first error in the "
+             "other ranks' output is the cause.")
     if _is_int(restarts) and _is_int(limit) and int(restarts) < int(limit):
-        return (f"{cause} torchrun now restarts every rank (restart {int(restarts) + 1} of --max-restarts={limit}); "
+        return (f"{cause} torchrun now restarts every rank (restart {int(restarts) + 1} of "
+                f"--max-restarts={limit}); "
                 f"with --resume auto the job continues from the newest checkpoint under train.out_dir.")
     return (f"{cause} Start the job again with --resume auto to continue from the newest checkpoint under "
             f"train.out_dir (torchrun --max-restarts=N does that by itself).")
@@ -194,7 +197,8 @@ def _store_of_this_attempt(env: LaunchEnv, timeout: timedelta) -> dist.Store | N
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     restart, _ = _Reader(os.environ, env.launcher).int("TORCHELASTIC_RESTART_COUNT", default=0)
-    agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                                timeout=timeout)
     return dist.PrefixStore(AGENT_STORE_PREFIX.format(restart), agent_store)
 
 

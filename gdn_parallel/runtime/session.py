@@ -66,8 +66,8 @@ def process_group(train_config) -> Iterator[tuple[torch.device, bool]]:
         _settle_collectives()
     except RuntimeError as err:
         if launched and is_communication_failure(err):
-            raise PeerLost(f"rank {dist.get_rank()}: a collective with the other ranks failed (a peer ended, or "
-                           f"did not answer within train.collective_timeout_s={timeout_s:g} s: "
+            raise PeerLost(f"rank {dist.get_rank()}: a collective with the other ranks failed (a peer ended, "
+                           f"or did not answer within train.collective_timeout_s={timeout_s:g} s: "
                            f"{_first_line(err)}). {restart_advice()}") from err
         raise
     finally:

@@ -1,5 +1,6 @@
-"""Training: the one loop for every world size (trainer.py), its process group (session.py), the
-LR schedule, validation, the optimizer and progress reporting.
+"""Training: the one loop for every world size (trainer.py: the loop and its steps; run_setup.py:
+everything a run needs before its first step, gathered in run_state.RunState), the LR schedule,
+validation, the optimizer and progress reporting.
 
     python -m gdn_parallel.train --config configs/tiny-cpu.yaml --set train.lr=1e-3 --steps 50
 """

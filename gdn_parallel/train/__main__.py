@@ -1,12 +1,17 @@
 """Command line: `python -m gdn_parallel.train` (console script `gdn-train`).
 
     gdn-train [--config PATH] [--set section.field=value ...] [--steps N] [--print-config]
+    gdn-train --help-config [SECTION]
 
 --config defaults to configs/tiny-cpu.yaml, looked up relative to the current directory, then to
-the repository this package lives in, then (configs/NAME) among the configs installed with it. --set overrides any config field (values parsed as YAML).
+the repository this package lives in, then (configs/NAME) among the configs installed with it.
+--set overrides any config field (values parsed as YAML).
 --steps N is short for --set train.steps=N (and wins over it when both are given).
 --print-config prints the resolved config (after all of these) as YAML, each field with its help, and
 exits 0 without training; the output is a config file (`--config` reads it back).
+--help-config [SECTION] lists every field (of SECTION) with its default, help and range or choices,
+and exits 0; --help names the sections. Both read each field's declaration in gdn_parallel/config.py,
+as the validation errors do.
 
 Steps and warmup, one rule for `--steps N` and `--set train.steps=N`: when the command line sets
 train.steps but not train.warmup_steps and the config's warmup is longer than the new step count,
@@ -38,8 +43,10 @@ import errno
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
 from ..config import Config, ConfigError, parse_override
+from .commented_config import commented_yaml, fields_table, section_names, sections_overview
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +72,11 @@ def resolve_config_path(path: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gdn-train", description="Train a GDN / SWA hybrid LM.")
+    parser = argparse.ArgumentParser(
+        prog="gdn-train", description="Train a GDN / SWA hybrid LM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's columns
+        epilog="config sections (--set SECTION.FIELD=VALUE; --help-config SECTION lists their fields\n"
+               f"with the defaults, help and ranges or choices):\n{sections_overview()}")
     parser.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"YAML config (default {DEFAULT_CONFIG}, relative to the current directory, "
                              f"else to the repository root, else the configs installed with the package)")
@@ -80,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint directory; metrics.jsonl is appended to")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML, each field with its help, and exit")
+    parser.add_argument("--help-config", nargs="?", const="all", default=None, metavar="SECTION",
+                        choices=[*section_names(), "all"],
+                        help="list every config field (of SECTION) with its default, help and range or "
+                             "choices, and exit")
     return parser
 
 
@@ -95,9 +110,9 @@ def load_config(args) -> Config:
             and 0 < train.steps < train.warmup_steps):
         shortened = train.steps // 10
         if _is_first_process():
-            print(f"note: the config's train.warmup_steps={train.warmup_steps} exceeds train.steps={train.steps} "
-                  f"set on the command line; warmup shortened to {shortened} (give --set "
-                  f"train.warmup_steps=N to choose)", file=sys.stderr)
+            print(f"note: the config's train.warmup_steps={train.warmup_steps} exceeds "
+                  f"train.steps={train.steps} set on the command line; warmup shortened to {shortened} "
+                  f"(give --set train.warmup_steps=N to choose)", file=sys.stderr)
         train.warmup_steps = shortened
     return config.validate()
 
@@ -112,7 +127,8 @@ def _is_first_process() -> bool:
 
 REFUSED, DIVERGED, WRITE_FAILED, PEER_LOST = 2, 3, 4, 5
 # Errors of a file system, not of the program: reported in one line with WRITE_FAILED.
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                          errno.EIO})
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -123,12 +139,14 @@ def run(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     # DeepSpeed's launcher adds --local_rank=N (its environment carries the same): not ours to parse.
     args = parser.parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
+    if args.help_config is not None:  # the declared defaults: no config file is read
+        sys.stdout.write(fields_table(None if args.help_config == "all" else args.help_config))
+        raise SystemExit(0)
     try:
         config = load_config(args)
     except ConfigError as err:
         parser.error(str(err))
     if args.print_config:
-        from .commented_config import commented_yaml
         command = " ".join(["gdn-train", *(sys.argv[1:] if argv is None else argv)])
         sys.stdout.write(commented_yaml(config, f"the resolved config of: {command}"))
         raise SystemExit(0)
@@ -138,8 +156,9 @@ def run(argv: list[str] | None = None) -> dict:
     try:
         if not is_launched() and config.parallel.world_size > 1:
             raise ConfigError(f"parallel.tp * pp * cp * dp = {config.parallel.world_size} needs that many "
-                              f"processes: launch with torchrun --nproc_per_node={config.parallel.world_size} "
-                              f"(or launch/deepspeed.sh, slurm.sbatch, mpirun.sh)")
+                              f"processes: launch with torchrun "
+                              f"--nproc_per_node={config.parallel.world_size} (or launch/deepspeed.sh, "
+                              f"slurm.sbatch, mpirun.sh)")
         return run_training(config, resume=args.resume)
     except (ConfigError, CheckpointError) as err:
         _fail(parser, REFUSED, str(err))
@@ -147,7 +166,8 @@ def run(argv: list[str] | None = None) -> dict:
         _fail(parser, DIVERGED, f"stopped: {err}")
     except CheckpointWriteError as err:
         _fail(parser, WRITE_FAILED, str(err))
-    except (PeerLost, GroupJoinError) as err:  # every rank that saw it: the one that would speak may be the dead one
+    # Every rank that saw it speaks: the one that would speak may be the dead one.
+    except (PeerLost, GroupJoinError) as err:
         _fail(parser, PEER_LOST, " ".join(str(err).split()), every_rank=True)
     except OSError as err:
         if err.errno not in WRITE_ERRNOS:
@@ -155,7 +175,7 @@ def run(argv: list[str] | None = None) -> dict:
         _fail(parser, WRITE_FAILED, f"cannot write {err.filename or 'a file'}: {err.strerror or err}")
 
 
-def _fail(parser: argparse.ArgumentParser, status: int, message: str, every_rank: bool = False) -> None:
+def _fail(parser: argparse.ArgumentParser, status: int, message: str, every_rank: bool = False) -> NoReturn:
     """One line on stderr and `status`; from the first process only (every rank meets the same error)
     unless every_rank."""
     if every_rank or _is_first_process():

@@ -57,9 +57,9 @@ def validation_text_bytes(dataset, config, say=None) -> int | None:
     counts = dataset.val_token_bytes
     if counts is None:
         if say is not None:
-            say(f"eval  | val_bpb not reported: {data_field(config.data)} does not record the bytes of text its "
-                f"tokens stand for (prepared before they were recorded, a Megatron dataset or a blend of such): "
-                f"gdn-prepare-data records them; val_bits_per_token is logged")
+            say(f"eval  | val_bpb not reported: {data_field(config.data)} does not record the bytes of text "
+                f"its tokens stand for (prepared before they were recorded, a Megatron dataset or a blend of "
+                f"such): gdn-prepare-data records them; val_bits_per_token is logged")
         return None
     found = validation_set(counts, config.train.seq_len, config.train.eval_rows, rows_per_micro_batch=1,
                            micro_batches=1, seed=config.data.seed, packing=config.data.packing)

@@ -23,6 +23,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -131,9 +132,14 @@ class ProgressBar:
             self.stream = None
 
 
-class ProgressLogger:
-    """Prints the progress lines, draws the bar and fans every record out to the sinks.
+@dataclass(frozen=True)
+class ProgressSettings:
+    """What a ProgressLogger reports on and where its records go.
 
+    total_steps, log_every: the run's length and a line every log_every steps (see the module doc).
+    tokens_per_step: tokens of one optimizer step over every replica (tok/s).
+    flops_per_token, peak_flops: the model's work per token and the peak FLOP/s it runs on (mfu;
+        either None: mfu n/a).
     out_dir: metrics.jsonl (and the backends `log` asks for) go there; give it on one rank only.
     log: the `log:` config section (backends, progress_bar); None: no backends, no bar.
     run_config: the whole config as a dict, stored with the W&B run.
@@ -141,21 +147,37 @@ class ProgressLogger:
         when the logger is made, so make it after the checkpoint is loaded.
     append: a resumed run appends to metrics.jsonl after a {"step": first_step, "resumed": true}
         marker instead of starting it afresh.
-    sinks: more sinks besides those of out_dir and log.
+    """
+    total_steps: int
+    log_every: int
+    tokens_per_step: int
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    out_dir: str = ""
+    log: LogConfig | None = None
+    run_config: dict | None = None
+    first_step: int = 0
+    append: bool = False
+
+
+class ProgressLogger:
+    """Prints the progress lines, draws the bar and fans every record out to the sinks.
+
+    settings: what is reported and where (ProgressSettings).
+    device: whose memory the lines report.
+    print_fn: prints a line (default: print, flushed).
+    sinks: more sinks besides those of settings.out_dir and settings.log.
     bar_stream: where the bar is drawn (default stdout).
     """
 
-    def __init__(self, total_steps: int, log_every: int, tokens_per_step: int, device: torch.device,
-                 flops_per_token: float | None = None, peak_flops: float | None = None,
-                 out_dir: str = "", print_fn=None, *, log: LogConfig | None = None,
-                 run_config: dict | None = None, append: bool = False, first_step: int = 0,
+    def __init__(self, settings: ProgressSettings, device: torch.device, print_fn=None, *,
                  sinks: Sequence[MetricsSink] = (), bar_stream: TextIO | None = None):
-        self.total_steps, self.log_every = total_steps, max(1, log_every)
-        self.tokens_per_step, self.device = tokens_per_step, device
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.first_step = first_step
+        self.total_steps, self.log_every = settings.total_steps, max(1, settings.log_every)
+        self.tokens_per_step, self.device = settings.tokens_per_step, device
+        self.flops_per_token, self.peak_flops = settings.flops_per_token, settings.peak_flops
+        self.first_step = first_step = settings.first_step
         self.print = print_fn or (lambda line: print(line, flush=True))
-        self.out_dir = Path(out_dir) if out_dir else None
+        self.out_dir = Path(settings.out_dir) if settings.out_dir else None
         self.losses: list[float] = []                      # every step's training loss, this process
         self.loss_points: list[tuple[int, float]] = []     # (step, loss) of the same steps
         self.val_points: list[tuple[int, float]] = []      # (step, val_loss)
@@ -169,17 +191,18 @@ class ProgressLogger:
         self._ground_truth: MetricsSink | None = None
         if self.out_dir is not None:
             metrics_path = self.out_dir / METRICS_FILE
-            if append and metrics_path.is_file():
+            if settings.append and metrics_path.is_file():
                 self._earlier = [r for r in read_metrics(metrics_path) if r.get("step", -1) < first_step]
-            self.sinks = sinks_from_config(log, self.out_dir, run_config, append, first_step)
+            self.sinks = sinks_from_config(settings.log, self.out_dir, settings.run_config, settings.append,
+                                           first_step)
             self._ground_truth = next(s for s in self.sinks if isinstance(s, JsonlSink))
         self.sinks.extend(sinks)
 
-        mode = log.progress_bar if log is not None else "off"
+        mode = settings.log.progress_bar if settings.log is not None else "off"
         stream = bar_stream if bar_stream is not None else sys.stdout
         wanted = mode == "on" or (mode == "auto" and is_terminal(stream))
         self.bar: ProgressBar | None = ProgressBar(stream) if wanted else None
-        if append:
+        if settings.append:
             self.record({"step": first_step, "resumed": True})
         # the clock starts last: opening the backends (wandb.init takes seconds) is not training time
         self._start = self._interval_start = time.perf_counter()

@@ -29,7 +29,8 @@ def _cosine(step: int, train: TrainConfig) -> float:
     return min_lr + 0.5 * (train.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-DECAY_SCALES = {"1-sqrt": lambda progress: 1.0 - math.sqrt(progress), "linear": lambda progress: 1.0 - progress}
+DECAY_SCALES = {"1-sqrt": lambda progress: 1.0 - math.sqrt(progress),
+                "linear": lambda progress: 1.0 - progress}
 
 
 def _warmup_stable_decay(step: int, train: TrainConfig) -> float:
@@ -63,7 +64,8 @@ def schedule_from_config(train: TrainConfig) -> Callable[[int], float]:
     return lambda step: lr_at(step, train)
 
 
-def check_resumed_schedule(saved_config: dict, train: TrainConfig, step: int, say: Callable[[str], None]) -> None:
+def check_resumed_schedule(saved_config: dict, train: TrainConfig, step: int,
+                           say: Callable[[str], None]) -> None:
     """A resume at `step` must keep the schedule of the checkpoint's config (`saved_config`, as saved in
     trainer_state.json): the settings either schedule reads, and lr_schedule, are compared, and a
     difference is refused (as Megatron refuses a scheduler mismatch) naming each field and the override.
@@ -83,9 +85,10 @@ def check_resumed_schedule(saved_config: dict, train: TrainConfig, step: int, sa
     old_lr, new_lr = _saved_lr_at(step, saved), lr_at(step, train)
     at_step = f"LR at step {step}: {_format_lr(old_lr)} saved, {_format_lr(new_lr)} new"
     if not train.schedule_override:
-        raise ConfigError(f"the checkpoint was trained under another LR schedule ({changes}); resume with its "
-                          f"settings (the checkpoint's config.yaml), or give --set train.schedule_override=true "
-                          f"to follow the new schedule from step {step} ({at_step})")
+        raise ConfigError(f"the checkpoint was trained under another LR schedule ({changes}); resume with "
+                          f"its settings (the checkpoint's config.yaml), or give "
+                          f"--set train.schedule_override=true to follow the new schedule from step {step} "
+                          f"({at_step})")
     say(f"resume | train.schedule_override: the new LR schedule from step {step} ({changes}); {at_step}")
 
 
@@ -94,7 +97,8 @@ def _saved_lr_at(step: int, saved: dict) -> float | None:
     reads = READS.get(saved["lr_schedule"])
     if reads is None or any(name not in saved for name in reads):
         return None
-    return lr_at(step, replace(TrainConfig(), lr_schedule=saved["lr_schedule"], **{name: saved[name] for name in reads}))
+    return lr_at(step, replace(TrainConfig(), lr_schedule=saved["lr_schedule"],
+                               **{name: saved[name] for name in reads}))
 
 
 def _format_lr(lr: float | None) -> str:

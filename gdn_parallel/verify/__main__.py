@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import os
 import sys
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -56,20 +57,25 @@ PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gdn-verify", description="Check every parallel layout of this job's processes against one device.")
+        prog="gdn-verify",
+        description="Check every parallel layout of this job's processes against one device.")
     parser.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"YAML config whose model is checked (default {DEFAULT_CONFIG}; relative to the "
-                             "current directory, else the repository, else the configs installed with the package)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                             "current directory, else the repository, else the configs installed with the "
+                             "package)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.FIELD=VALUE",
                         help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
     parser.add_argument("--layouts", nargs="+", action="extend", metavar="LAYOUT",
-                        help="layouts to check instead of the default set, each like tp2,cp2 or pp=2,dp=2,ddp "
-                             "(options: sp, allgather, ddp, interleaved, vs=N, ac=full|selective)")
+                        help="layouts to check instead of the default set, each like tp2,cp2 or "
+                             "pp=2,dp=2,ddp (options: sp, allgather, ddp, interleaved, vs=N, "
+                             "ac=full|selective)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps compared (default 1; 2 with --checkpoint)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(PRECISIONS),
-                        help="fp32 (default): every error within 1e-5 (CPU) / 1e-4 (CUDA); bf16: autocast against "
-                             "the fp32 reference, no worse than 1.5x bf16 on one device, loss within 1e-2")
+                        help="fp32 (default): every error within 1e-5 (CPU) / 1e-4 (CUDA); bf16: autocast "
+                             "against the fp32 reference, no worse than 1.5x bf16 on one device, loss within "
+                             "1e-2")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per row (default: the config's train.seq_len)")
     parser.add_argument("--rows", type=int, default=2, help="rows per micro-batch (default 2)")
@@ -77,13 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=None,
                         help="replace the bound (fp32) or its floor (bf16)")
     parser.add_argument("--json", default=None,
-                        help="results file (default $OUT/verify.json when $OUT is set, else runs/verify.json)")
+                        help="results file (default $OUT/verify.json when $OUT is set, else "
+                             "runs/verify.json)")
     parser.add_argument("--list", action="store_true", help="print the layouts that would run, and exit")
     parser.add_argument("--checkpoint", action="store_true",
-                        help="also save each layout's checkpoint after step 1 (after an evaluation) and resume "
-                             "step 2 from it into the same layout (must be bit-exact) and into the one-device "
-                             "reference; compares the evaluation with the reference's")
-    parser.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests only (docstring)
+                        help="also save each layout's checkpoint after step 1 (after an evaluation) and "
+                             "resume step 2 from it into the same layout (must be bit-exact) and into the "
+                             "one-device reference; compares the evaluation with the reference's")
+    # tests only (the module's docstring)
+    parser.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
     return parser
 
 
@@ -102,83 +110,134 @@ def resolve_config_path(path: str) -> Path:
     return candidate
 
 
+@dataclass(frozen=True)
+class VerifyRequest:
+    """What the command line asks for, checked before any process group exists."""
+    args: argparse.Namespace
+    config: Config
+    world: int             # processes of the job (every layout uses them all)
+    seq_len: int
+    steps: int             # optimizer steps compared
+    layouts: list[tuple[Layout, str | None]]   # (layout, why it is skipped or None)
+    faults: dict[str, str]                     # --inject-fault: layout name -> kind
+
+    @property
+    def precision(self) -> str:
+        return PRECISIONS[self.args.dtype]
+
+    @property
+    def seed(self) -> int:
+        return self.config.train.seed if self.args.seed is None else self.args.seed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
     launch = detect_launch_env()
     is_main = launch is None or launch.rank == 0
     say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
-    world = launch.world_size if launch is not None else 1
     try:
-        config = Config.from_yaml(resolve_config_path(args.config), args.overrides)
-        seq_len = args.seq_len or config.train.seq_len
-        steps_count = args.steps if args.steps is not None else (SAVED_AFTER + 1 if args.checkpoint else 1)
-        if steps_count < 1 or args.rows < 1 or args.rows * seq_len < MIN_ROW_TOKENS:
-            raise ConfigError(f"--steps {steps_count} must be positive and --rows {args.rows} x --seq-len {seq_len} "
-                              f"at least {MIN_ROW_TOKENS} tokens")
-        if args.checkpoint and steps_count <= SAVED_AFTER:
-            raise ConfigError(f"--checkpoint saves after step {SAVED_AFTER} and resumes step {SAVED_AFTER + 1}: "
-                              f"give --steps {SAVED_AFTER + 1} or more, or leave --steps out")
-        layouts = layouts_to_run(args.layouts, world, config.model, args.rows * seq_len)
-        faults = _faults(args.inject_fault, [l for l, reason in layouts if reason is None], args.checkpoint)
+        request = _request(args, launch.world_size if launch is not None else 1)
     except (ConfigError, LayoutError) as err:
-        if is_main:
-            print(f"gdn-verify: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, is_main)
     if args.list:
-        for layout, reason in layouts:
+        for layout, reason in request.layouts:
             say(layout.name + (f"  (skipped: {reason})" if reason else ""))
         return 0
-    precision = PRECISIONS[args.dtype]
     if torch.cuda.is_available():
-        # the reference is fp32 (and so is an fp32 layout): no TF32 in cuBLAS or cuDNN, and fp32-accurate
-        # 3xTF32 in the Triton kernels' dots (IEEE dots compile for minutes on Hopper: tests/conftest.py)
-        os.environ.setdefault("TRITON_F32_DEFAULT", "tf32x3")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    with process_group(config.train) as (device, _launched):
+        _fp32_reference_on_cuda()
+    with process_group(request.config.train) as (device, _launched):
         try:
-            check_kernel_config(config.model, device.type == "cuda", "bfloat16" if precision == "bf16" else "float32")
+            check_kernel_config(request.config.model, device.type == "cuda",
+                                "bfloat16" if request.precision == "bf16" else "float32")
         except ConfigError as err:
-            if is_main:
-                print(f"gdn-verify: {err}", file=sys.stderr)
-            return 2
-        seed = config.train.seed if args.seed is None else args.seed
-        steps = [verification_batch(step, world, args.rows, seq_len, config.model.vocab_size, device)
-                 for step in range(steps_count)]
-        say(f"gdn-verify | {world} {device.type} process(es) | {args.config} | {precision} | {steps_count} step(s) "
-            f"x {world} micro-batches of {args.rows} x {seq_len} tokens | {len(layouts)} layouts"
-            + (f" | checkpoint after step {SAVED_AFTER}, resumed" if args.checkpoint else ""))
+            return _refused(err, is_main)
+        steps = [verification_batch(step, request.world, args.rows, request.seq_len,
+                                    request.config.model.vocab_size, device)
+                 for step in range(request.steps)]
+        say(_headline(request, device))
         with contextlib.ExitStack() as stack:
-            checkpoint = None
-            if args.checkpoint:
-                try:
-                    root = stack.enter_context(shared_directory(Path(args.json or default_json_path()).parent))
-                except ConfigError as err:
-                    if is_main:
-                        print(f"gdn-verify: {err}", file=sys.stderr)
-                    return 2
-                checkpoint = CheckpointSettings(root, config)
-            result = verify(config.model, seed, steps, layouts, device,
-                            OptimizerSettings.from_train_config(config.train), seq_len, precision, args.tolerance,
-                            faults, progress=say, checkpoint=checkpoint)
+            try:
+                checkpoint = _checkpoint_settings(request, stack)
+            except ConfigError as err:
+                return _refused(err, is_main)
+            result = verify(request.config.model, request.seed, steps, request.layouts, device,
+                            OptimizerSettings.from_train_config(request.config.train), request.seq_len,
+                            request.precision, args.tolerance, request.faults, progress=say,
+                            checkpoint=checkpoint)
         if is_main:
-            say(f"criteria | {result.criteria.describe()}")
-            say("columns  | relative errors, worst over the steps: loss, gradient norm, gradients (worst tensor, "
-                "all as one vector), parameters after the step vs AdamW on one device with the layout's gradients")
-            if args.checkpoint:
-                resumed = SAVED_AFTER + 1
-                say(f"checkpoint | saved after step {SAVED_AFTER}, after an evaluation of step {resumed}'s rows; "
-                    f"val loss: that evaluation vs the reference's; resume ref: the reference resumed from the "
-                    f"checkpoint, worst relative error of step {resumed}; resume same: the layout resumed, bit for bit")
-            for line in table(result):
-                say(line)
-            header = {"world": world, "device": _device_name(device), "config": str(args.config),
-                      "overrides": args.overrides, "steps": steps_count, "micro_batches": world, "rows": args.rows,
-                      "seq_len": seq_len, "seed": seed}
-            if args.checkpoint:
-                header["checkpoint"] = {"saved_after_step": SAVED_AFTER, "val_loss_bound": result.val_loss_bound}
-            say(f"json | {write_json(to_json(result, header), args.json)}")
+            _report(request, result, device, say)
     return 0 if result.passed else 1
+
+
+def _request(args: argparse.Namespace, world: int) -> VerifyRequest:
+    """The config, batch shape, step count, layouts and faults asked for (ConfigError, LayoutError: the
+    command or config is wrong)."""
+    config = Config.from_yaml(resolve_config_path(args.config), args.overrides)
+    seq_len = args.seq_len or config.train.seq_len
+    steps = args.steps if args.steps is not None else (SAVED_AFTER + 1 if args.checkpoint else 1)
+    if steps < 1 or args.rows < 1 or args.rows * seq_len < MIN_ROW_TOKENS:
+        raise ConfigError(f"--steps {steps} must be positive and --rows {args.rows} x --seq-len {seq_len} "
+                          f"at least {MIN_ROW_TOKENS} tokens")
+    if args.checkpoint and steps <= SAVED_AFTER:
+        raise ConfigError(f"--checkpoint saves after step {SAVED_AFTER} and resumes step {SAVED_AFTER + 1}: "
+                          f"give --steps {SAVED_AFTER + 1} or more, or leave --steps out")
+    layouts = layouts_to_run(args.layouts, world, config.model, args.rows * seq_len)
+    faults = _faults(args.inject_fault, [l for l, reason in layouts if reason is None], args.checkpoint)
+    return VerifyRequest(args, config, world, seq_len, steps, layouts, faults)
+
+
+def _refused(err: Exception, is_main: bool) -> int:
+    """Exit status 2: the command or config is wrong, and the message says what to change."""
+    if is_main:
+        print(f"gdn-verify: {err}", file=sys.stderr)
+    return 2
+
+
+def _fp32_reference_on_cuda() -> None:
+    # The reference is fp32 (and so is an fp32 layout): no TF32 in cuBLAS or cuDNN, and fp32-accurate
+    # 3xTF32 in the Triton kernels' dots (IEEE dots compile for minutes on Hopper: tests/conftest.py).
+    os.environ.setdefault("TRITON_F32_DEFAULT", "tf32x3")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _headline(request: VerifyRequest, device: torch.device) -> str:
+    args = request.args
+    return (f"gdn-verify | {request.world} {device.type} process(es) | {args.config} | {request.precision} "
+            f"| {request.steps} step(s) x {request.world} micro-batches of {args.rows} x {request.seq_len} "
+            f"tokens | {len(request.layouts)} layouts"
+            + (f" | checkpoint after step {SAVED_AFTER}, resumed" if args.checkpoint else ""))
+
+
+def _checkpoint_settings(request: VerifyRequest, stack: contextlib.ExitStack) -> CheckpointSettings | None:
+    """--checkpoint's leg: a temporary directory beside the JSON file, which every rank must see,
+    removed when `stack` closes (ConfigError: no such directory is shared)."""
+    if not request.args.checkpoint:
+        return None
+    root = stack.enter_context(shared_directory(Path(request.args.json or default_json_path()).parent))
+    return CheckpointSettings(root, request.config)
+
+
+def _report(request: VerifyRequest, result, device: torch.device, say) -> None:
+    """The criteria, the column legend, the table and the JSON file (rank 0)."""
+    args = request.args
+    say(f"criteria | {result.criteria.describe()}")
+    say("columns  | relative errors, worst over the steps: loss, gradient norm, gradients (worst tensor, "
+        "all as one vector), parameters after the step vs AdamW on one device with the layout's gradients")
+    if args.checkpoint:
+        resumed = SAVED_AFTER + 1
+        say(f"checkpoint | saved after step {SAVED_AFTER}, after an evaluation of step {resumed}'s rows; "
+            f"val loss: that evaluation vs the reference's; resume ref: the reference resumed from the "
+            f"checkpoint, worst relative error of step {resumed}; resume same: the layout resumed, bit for "
+            f"bit")
+    for line in table(result):
+        say(line)
+    header = {"world": request.world, "device": _device_name(device), "config": str(args.config),
+              "overrides": args.overrides, "steps": request.steps, "micro_batches": request.world,
+              "rows": args.rows, "seq_len": request.seq_len, "seed": request.seed}
+    if args.checkpoint:
+        header["checkpoint"] = {"saved_after_step": SAVED_AFTER, "val_loss_bound": result.val_loss_bound}
+    say(f"json | {write_json(to_json(result, header), args.json)}")
 
 
 def _faults(specs: list[str], runnable: list[Layout], checkpoint: bool) -> dict[str, str]:
@@ -198,7 +257,8 @@ def _faults(specs: list[str], runnable: list[Layout], checkpoint: bool) -> dict[
             raise LayoutError(f"--inject-fault {spec}: {layout.name} is not a layout this run checks "
                               f"({', '.join(names)})")
         if kind == "unsharded" and not (layout.data_parallel == "fsdp" and layout.dp * layout.cp > 1):
-            raise LayoutError(f"--inject-fault {spec}: unsharded needs an FSDP2 layout (dp or cp above 1, not ddp)")
+            raise LayoutError(f"--inject-fault {spec}: unsharded needs an FSDP2 layout (dp or cp above 1, "
+                              f"not ddp)")
         faults[layout.name] = kind
     return faults
 

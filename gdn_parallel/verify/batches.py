@@ -31,7 +31,8 @@ def document_boundaries(total: int, kind: int, seed: int) -> list[int]:
     kind %= LAYOUT_KINDS
     if kind == 0:      # one document: everything crosses every boundary
         cuts = []
-    elif kind == 1:    # tools/verify_cp.py's documents: pieces of 2 and 1 tokens past the middle, then the end
+    elif kind == 1:
+        # tools/verify_cp.py's documents: pieces of 2 and 1 tokens past the middle, then the end
         cuts = [total // 5, total // 2 + 7, total // 2 + 9, total - 1]
     elif kind == 2:    # ends exactly on the shard boundaries of cp = 2 and 4, one token past those of cp = 8
         cuts = [total // 4, total // 2, 3 * total // 4, total // 8 + 1, 5 * total // 8 + 1]

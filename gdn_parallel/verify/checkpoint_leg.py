@@ -157,8 +157,8 @@ class CheckpointLeg:
         if self.fault == "unsharded":
             _unshard_roots(parallel)
         saver = CheckpointSaver(self.out_dir)
-        self._agree(lambda: saver.save(SAVED_AFTER, parallel.named_parameters(), optimizer, self.dims, self.config,
-                                       data_stream={"verify_batch": SAVED_AFTER}), "save")
+        self._agree(lambda: saver.save(SAVED_AFTER, parallel.named_parameters(), optimizer, self.dims,
+                                       self.config, data_stream={"verify_batch": SAVED_AFTER}), "save")
 
     def _resume_same(self) -> None:
         parallel, named, optimizer = self.build(self.seed + 1)
@@ -181,13 +181,14 @@ class CheckpointLeg:
 
     def _resume_reference(self) -> None:
         reference, kept = self.reference, self.uninterrupted
-        load_checkpoint(self.path, list(reference.model.named_parameters()), reference.optimizer, None, self.config,
-                        same_layout=lambda saved: False)
+        load_checkpoint(self.path, list(reference.model.named_parameters()), reference.optimizer, None,
+                        self.config, same_layout=lambda saved: False)
         unchanged = all(torch.equal(p, self._reference_at_save[n]) for n, p in reference.params.items())
         step = kept.reference if unchanged else reference.gradients(self.batch)
         self.result.scalars = {"loss": scalar_error(float(kept.loss), step.loss),
                                "grad_norm": scalar_error(float(kept.norm), step.grad_norm)}
-        grads = {name: tensor_diff(g, step.grads[name], f"gradient of {name}") for name, g in kept.grads.items()}
+        grads = {name: tensor_diff(g, step.grads[name], f"gradient of {name}")
+                 for name, g in kept.grads.items()}
         # clipped as run_layout clips them for the reference: the same operations, the same bits
         coefficient = clip_coefficient(kept.norm.to(reference.device), self.grad_clip)
         reference.step({name: g * coefficient.to(g.dtype) for name, g in kept.grads.items()})
@@ -231,8 +232,8 @@ def shared_directory(parent: Path) -> Iterator[str]:
     try:
         blind = [rank for rank, ok in enumerate(seen) if not ok]
         if blind:
-            raise ConfigError(f"--checkpoint: rank(s) {blind} cannot see {path}, which rank 0 made next to the "
-                              f"--json file: give --json a path on a file system every node shares")
+            raise ConfigError(f"--checkpoint: rank(s) {blind} cannot see {path}, which rank 0 made next to "
+                              f"the --json file: give --json a path on a file system every node shares")
         yield path
         dist.barrier()   # every rank is done with it
     finally:

@@ -80,4 +80,5 @@ def judge(per_rank: Sequence[RankCheckpoint], criteria: Criteria, val_bound: flo
     failures += [f"resume_ref: {f}" for f in criteria.failures(measured.errors)]
     if measured.missing:
         failures.append(f"resume_ref: no rank holds {', '.join(measured.missing)}")
-    return CheckpointCheck(val_error, first.val_loss, first.val_reference, val_bound, resume_same, measured, failures)
+    return CheckpointCheck(val_error, first.val_loss, first.val_reference, val_bound, resume_same, measured,
+                           failures)

@@ -164,12 +164,13 @@ class Criteria:
     def describe(self) -> str:
         if self.precision == "fp32":
             return f"fp32: every error <= {self.tolerance:.0e}"
-        return (f"bf16 autocast vs fp32: loss <= {self.loss_tolerance:.0e}; params <= {self.update_tolerance:.0e}; "
+        return (f"bf16 autocast vs fp32: loss <= {self.loss_tolerance:.0e}; "
+                f"params <= {self.update_tolerance:.0e}; "
                 f"the rest <= max({self.tolerance:.0e}, {BF16_RATIO} x bf16 on one device)")
 
     def as_dict(self) -> dict:
-        return {"precision": self.precision, "tolerance": self.tolerance, "loss_tolerance": self.loss_tolerance,
-                "update_tolerance": self.update_tolerance,
+        return {"precision": self.precision, "tolerance": self.tolerance,
+                "loss_tolerance": self.loss_tolerance, "update_tolerance": self.update_tolerance,
                 "bf16_ratio": BF16_RATIO if self.baseline is not None else None, "baseline": self.baseline,
                 "bounds": {q: self.bound(q) for q in QUANTITIES}, "noise_eps": NOISE_EPS}
 
@@ -185,7 +186,8 @@ class Measured:
     noise_judged: list[str] = field(default_factory=list)
 
 
-def measure_steps(scalars: Sequence[Mapping[str, float]], tensor_sets: Sequence[Mapping[str, Mapping[str, TensorDiff]]],
+def measure_steps(scalars: Sequence[Mapping[str, float]],
+                  tensor_sets: Sequence[Mapping[str, Mapping[str, TensorDiff]]],
                   reference_names: Iterable[str]) -> Measured:
     """Fold per-step measurements into Measured: `scalars[step]` {loss, grad_norm: error},
     `tensor_sets[step]` {set name (TENSOR_SETS): {tensor name: TensorDiff merged over ranks}}."""

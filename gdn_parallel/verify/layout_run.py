@@ -60,8 +60,8 @@ def part_of(parameter_name: str) -> str:
     return ".".join(head[:2]) if head[0] == "layers" else head[0]
 
 
-def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: ParallelDims, device: torch.device,
-                 optimizer: OptimizerSettings, seq_len: int):
+def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: ParallelDims,
+                 device: torch.device, optimizer: OptimizerSettings, seq_len: int):
     """(parallel model, its trained named parameters, AdamW) of this rank, as the trainer builds them."""
     config = layout.parallel_config()
     parts = parts_of_rank(model_config, config, dims.rank("pp"), seq_len)
@@ -75,7 +75,8 @@ def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: Par
 def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequence[Sequence[PackedBatch]],
                reference: ReferenceModel, first: StepGradients, device: torch.device,
                optimizer: OptimizerSettings, seq_len: int, autocast_dtype: torch.dtype | None = None,
-               inject_fault: str | None = None, checkpoint: CheckpointSettings | None = None) -> RankMeasurement:
+               inject_fault: str | None = None,
+               checkpoint: CheckpointSettings | None = None) -> RankMeasurement:
     """`reference` at the seed's weights; `first`: its gradients of steps[0] there (shared by every
     layout, whose first step starts from the same weights). `inject_fault` (tests only): a FAULT_KINDS
     or checkpoint_leg.CHECKPOINT_FAULTS entry, the quantity to spoil. `checkpoint`: run the
@@ -93,7 +94,8 @@ def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequ
     measured = RankMeasurement()
     for index, batch in enumerate(steps):
         expected = first if index == 0 else reference.gradients(batch)
-        loss = parallel.train_step(replica_share(batch, dims.rank("dp"), config.dp), autocast_dtype=autocast_dtype)
+        loss = parallel.train_step(replica_share(batch, dims.rank("dp"), config.dp),
+                                   autocast_dtype=autocast_dtype)
         if inject_fault == "grads":
             _inject_fault(named, "grad")
         if leg is not None:
@@ -101,7 +103,8 @@ def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequ
         grads, gathered = {}, {}
         for name, p in named:
             # a copy: clipping scales the gradients in place, and an unsharded one is returned as it is
-            gathered[name] = full_shape(p.grad if p.grad is not None else torch.zeros_like(p), p, dims).clone()
+            gathered[name] = full_shape(p.grad if p.grad is not None else torch.zeros_like(p), p,
+                                        dims).clone()
             grads[name] = tensor_diff(gathered[name], expected.grads[name], f"gradient of {name}")
         norm = parallel.clip_grad_norm(optimizer.grad_clip)
         opt.step()
@@ -143,7 +146,8 @@ def _follow_layout(reference: ReferenceModel, values: dict[str, torch.Tensor], m
     holders = [parts_of_rank(model_config, config, r, seq_len) for r in range(config.pp)]
     for name in reference.names:
         owner = next(r for r, parts in enumerate(holders) if part_of(name) in parts)
-        value = values[name].contiguous() if owner == dims.rank("pp") else torch.empty_like(reference.params[name])
+        value = (values[name].contiguous() if owner == dims.rank("pp")
+                 else torch.empty_like(reference.params[name]))
         dist.broadcast(value, src=dist.get_global_rank(group, owner), group=group)
         reference.load(name, value)
 

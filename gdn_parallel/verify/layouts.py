@@ -29,8 +29,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..config import CHECKPOINTING_MODES, ConfigError, ModelConfig, ParallelConfig
+from ..model import check_layers
+from ..parallel.mesh import MESH_DIMS
 
-DIMS = ("pp", "dp", "cp", "tp")            # the mesh order, outermost first (parallel/mesh.py)
+DIMS = MESH_DIMS                            # the mesh order, outermost first
 INTERLEAVED_VIRTUAL_STAGES = 2
 
 
@@ -200,7 +202,8 @@ VARIANTS = (
 )
 
 
-def default_layouts(world_size: int, model: ModelConfig, tokens_per_row: int) -> list[tuple[Layout, str | None]]:
+def default_layouts(world_size: int, model: ModelConfig,
+                    tokens_per_row: int) -> list[tuple[Layout, str | None]]:
     """(layout, reason it is skipped or None) for the default set (module docstring)."""
     bases = base_layouts(world_size)
     result = [(layout, unsupported_reason(layout, model, tokens_per_row)) for layout in bases]
@@ -222,17 +225,20 @@ def unsupported_reason(layout: Layout, model: ModelConfig, tokens_per_row: int) 
     config = layout.parallel_config()
     try:
         config.validate(model)
+        check_layers(model, config.tp)
     except ConfigError as err:
         return str(err)
     split = layout.cp * (layout.tp if layout.sequence_parallel else 1)
     if tokens_per_row % split:
-        return (f"a row of {tokens_per_row} tokens does not split into cp{' * tp' if layout.sequence_parallel else ''}"
-                f" = {split} equal shards; change --seq-len or --rows")
+        split_by = "cp * tp" if layout.sequence_parallel else "cp"
+        return (f"a row of {tokens_per_row} tokens does not split into {split_by} = {split} equal shards; "
+                f"change --seq-len or --rows")
     return None
 
 
 def describe_default_set(world_size: int, model: ModelConfig, tokens_per_row: int) -> str:
-    return "; ".join(l.name + (" (skipped)" if r else "") for l, r in default_layouts(world_size, model, tokens_per_row))
+    return "; ".join(l.name + (" (skipped)" if r else "")
+                     for l, r in default_layouts(world_size, model, tokens_per_row))
 
 
 def layouts_to_run(specs: Sequence[str] | None, world_size: int, model: ModelConfig,

@@ -70,12 +70,14 @@ def label_count(batch: Sequence[PackedBatch]) -> int:
 class ReferenceModel:
     """The whole model on this rank's device with its AdamW; `reset()` returns to the seed's weights."""
 
-    def __init__(self, model_config: ModelConfig, seed: int, device: torch.device, optimizer: OptimizerSettings):
+    def __init__(self, model_config: ModelConfig, seed: int, device: torch.device,
+                 optimizer: OptimizerSettings):
         self.model = build_model(model_config, device, seed)
         self.model.train()
         self.device = device
         self.settings = optimizer
-        self.params: dict[str, nn.Parameter] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.params: dict[str, nn.Parameter] = {n: p for n, p in self.model.named_parameters()
+                                                if p.requires_grad}
         self._initial = {n: p.detach().clone() for n, p in self.params.items()}
         self.optimizer = optimizer.build(self.params.values())
 
@@ -90,7 +92,8 @@ class ReferenceModel:
                 p.grad = None
         self.optimizer = self.settings.build(self.params.values())
 
-    def gradients(self, batch: Sequence[PackedBatch], autocast_dtype: torch.dtype | None = None) -> StepGradients:
+    def gradients(self, batch: Sequence[PackedBatch],
+                  autocast_dtype: torch.dtype | None = None) -> StepGradients:
         labels = label_count(batch)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in batch:
@@ -115,7 +118,8 @@ class ReferenceModel:
         self.model.eval()
         try:
             for mb in batch:
-                out = self.model(mb.input_ids, labels=mb.labels, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids)
+                out = self.model(mb.input_ids, labels=mb.labels, cu_seqlens=mb.cu_seqlens,
+                                 position_ids=mb.position_ids)
                 total += out.loss_sum.double()
         finally:
             self.model.train()

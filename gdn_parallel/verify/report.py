@@ -44,7 +44,8 @@ def _checkpoint_cells(check) -> tuple:
 def _checkpoint_bounds(result: Verification) -> tuple:
     """The val loss bound; the resume ref bound where every quantity has the same one (fp32)."""
     bounds = {result.criteria.bound(q) for q in QUANTITIES}
-    return (_error_cell(result.val_loss_bound), _error_cell(bounds.pop()) if len(bounds) == 1 else "-", "exact")
+    return (_error_cell(result.val_loss_bound), _error_cell(bounds.pop()) if len(bounds) == 1 else "-",
+            "exact")
 
 
 def table(result: Verification) -> list[str]:
@@ -63,7 +64,8 @@ def table(result: Verification) -> list[str]:
         if r.status == "skipped":
             lines.append(f"{r.layout.name:<{NAME_WIDTH}}skipped: {r.reason}")
         else:
-            lines.append(_row(r.layout.name, r.measured.errors, r.status.upper() if r.status == "fail" else r.status,
+            lines.append(_row(r.layout.name, r.measured.errors,
+                              r.status.upper() if r.status == "fail" else r.status,
                               _checkpoint_cells(r.checkpoint) if r.checkpoint is not None else ()))
     counts = {s: sum(r.status == s for r in result.results) for s in ("pass", "fail", "skipped")}
     lines.append(f"{len(result.results)} layouts: {counts['pass']} passed, {counts['fail']} failed, "

@@ -76,7 +76,8 @@ def merge_ranks(per_rank: Sequence[RankMeasurement], reference_names) -> Measure
     steps = range(len(per_rank[0].losses))
     return measure_steps(
         [{q: worst(r.scalars[s][q] for r in per_rank) for q in per_rank[0].scalars[s]} for s in steps],
-        [{name: merge_rank_diffs(r.tensors[s][name] for r in per_rank) for name in TENSOR_SETS} for s in steps],
+        [{name: merge_rank_diffs(r.tensors[s][name] for r in per_rank) for name in TENSOR_SETS}
+         for s in steps],
         reference_names)
 
 
@@ -97,10 +98,12 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
         autocast_dtype = torch.bfloat16
         baseline = single_device_bf16(reference, first, steps)
     criteria = Criteria.for_run(precision, device.type, tolerance, baseline.errors if baseline else None)
-    result = Verification(criteria, first.loss, baseline=baseline, reference_seconds=time.perf_counter() - start,
-                          val_loss_bound=val_loss_bound(criteria, tolerance) if checkpoint is not None else None)
-    progress(f"reference | the first step on one device in {result.reference_seconds:.1f} s | loss {first.loss:.4f} "
-             f"| grad norm {first.grad_norm:.4f}")
+    result = Verification(criteria, first.loss, baseline=baseline,
+                          reference_seconds=time.perf_counter() - start,
+                          val_loss_bound=(val_loss_bound(criteria, tolerance) if checkpoint is not None
+                                          else None))
+    progress(f"reference | the first step on one device in {result.reference_seconds:.1f} s "
+             f"| loss {first.loss:.4f} | grad norm {first.grad_norm:.4f}")
     runnable = [l for l, reason in layouts if reason is None]
     for layout, reason in layouts:
         if reason is not None:
@@ -113,9 +116,11 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
         reference.reset()
         try:
             mine = run_layout(layout, model_config, seed, steps, reference, first, device, optimizer, seq_len,
-                              autocast_dtype, inject_fault=(faults or {}).get(layout.name), checkpoint=checkpoint)
+                              autocast_dtype, inject_fault=(faults or {}).get(layout.name),
+                              checkpoint=checkpoint)
         except Exception as err:
-            raise RuntimeError(f"layout {layout.name} raised on rank {dist.get_rank()}: {type(err).__name__}: {err}") from err
+            raise RuntimeError(f"layout {layout.name} raised on rank {dist.get_rank()}: "
+                               f"{type(err).__name__}: {err}") from err
         per_rank: list[RankMeasurement | None] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         measured = merge_ranks(per_rank, reference.names)

@@ -29,8 +29,8 @@ __all__ = ["triton_gated_delta_rule", "CHUNK"]
 
 def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: torch.Tensor | None = None,
                             output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                            decay_params=None, beta_activation: str | None = None, use_qk_l2norm: bool = False,
-                            relay=None):
+                            decay_params=None, beta_activation: str | None = None,
+                            use_qk_l2norm: bool = False, relay=None):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] (see gated_delta_rule for the meaning).
 
     In-kernel activations (gates.py): with decay_params = (A_log, dt_bias), [HV] each, g holds the
@@ -57,14 +57,15 @@ def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: to
         lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
     layout, plan = _layout_and_plan(lengths, v.device, TUNING["span_chunks"])
     # Padding tokens must keep the state: decay 0 and beta 0, i.e. logits -inf when activated here.
-    fills = (0.0, 0.0, 0.0, 0.0 if decay_params is None else -math.inf, 0.0 if beta_activation is None else -math.inf)
+    fills = (0.0, 0.0, 0.0, 0.0 if decay_params is None else -math.inf,
+             0.0 if beta_activation is None else -math.inf)
     flat = [layout.pad(x.reshape(B * T, *x.shape[2:]), fill).flatten(0, 1).contiguous()
             for x, fill in zip((q, k, v, g, beta), fills)]
     A_log, dt_bias = (None, None) if decay_params is None else decay_params
     if relay is not None and relay.receives and initial_state is None and plan.num_docs > 1:
         initial_state = torch.zeros(plan.num_docs - 1, HV, K, V, device=v.device)
-    o, final = _ChunkGatedDeltaRule.apply(*flat, initial_state, A_log, dt_bias, scale, plan, output_final_state,
-                                          beta_activation, use_qk_l2norm, relay)
+    o, final = _ChunkGatedDeltaRule.apply(*flat, initial_state, A_log, dt_bias, scale, plan,
+                                          output_final_state, beta_activation, use_qk_l2norm, relay)
     o = layout.unpad(o.view(layout.num_chunks, CHUNK, HV, V)).view(B, T, HV, V)
     return o, (final if output_final_state else None)
 
@@ -167,7 +168,8 @@ def _walk(k, w, u, gamma, h0, plan: ScanPlan, want_final):
     if plan.spans:
         summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, u.device)
         launch_fitting(fwd.span_summary_forward, lambda s: (triton.cdiv(K + V, s["BE"]), HV, plan.num_spans),
-                       (k, w, u, gamma, plan.span_first, plan.span_count, summary, Tp, H, HV, K, V, CHUNK, BK),
+                       (k, w, u, gamma, plan.span_first, plan.span_count, summary, Tp, H, HV, K, V,
+                        CHUNK, BK),
                        [_as_be(s) for s in settings], key, INTERPRET=_INTERPRET)
         starts, final = fold(summary, plan, h0, V, False, _precision(u), _INTERPRET)
         launch_fitting(fwd.state_forward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_spans),
@@ -200,19 +202,19 @@ def _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan: ScanPlan, scale,
         summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, do.device)
         launch_fitting(bwd.span_summary_backward,
                        lambda s: (triton.cdiv(K + V, s["BE"]), HV, plan.num_spans),
-                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, summary, scale, Tp, H, HV,
-                        K, V, CHUNK, BK), [_as_be(s) for s in settings], key, INTERPRET=_INTERPRET)
+                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, summary, scale,
+                        Tp, H, HV, K, V, CHUNK, BK), [_as_be(s) for s in settings], key, INTERPRET=_INTERPRET)
         ends, dh0 = fold(summary, plan, dfinal, V, True, _precision(do), _INTERPRET)
         launch_fitting(bwd.state_backward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_spans),
-                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, ends, dh, dd, ends, scale,
-                        Tp, H, HV, K, V, CHUNK, BK), settings, key,
+                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, ends, dh, dd,
+                        ends, scale, Tp, H, HV, K, V, CHUNK, BK), settings, key,
                        HAS_DFINAL=True, HAS_DH0=False, INTERPRET=_INTERPRET)
         return dh, dd, (dh0 if want_dh0 else None)
     dh0 = _buffer((plan.num_docs, HV, K, V), torch.float32, do.device) if want_dh0 else None
     launch_fitting(bwd.state_backward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_docs),
                    (q, k, w, gamma, do, dd_local, plan.doc_first, plan.doc_count,
-                    dfinal if dfinal is not None else dd, dh, dd, dh0 if dh0 is not None else dd, scale, Tp, H, HV,
-                    K, V, CHUNK, BK), settings, key,
+                    dfinal if dfinal is not None else dd, dh, dd, dh0 if dh0 is not None else dd, scale,
+                    Tp, H, HV, K, V, CHUNK, BK), settings, key,
                    HAS_DFINAL=dfinal is not None, HAS_DH0=want_dh0, INTERPRET=_INTERPRET)
     return dh, dd, dh0
 
@@ -274,7 +276,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             del u
         dd_local = _buffer(v.shape, v.dtype, v.device)
         launch_fitting(bwd.delta_grad_local, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
-                       (q, k, gamma, do, dd_local, scale, Tp, H, HV, K, V, CHUNK, BK), _parallel_settings(V, 4), key)
+                       (q, k, gamma, do, dd_local, scale, Tp, H, HV, K, V, CHUNK, BK),
+                       _parallel_settings(V, 4), key)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         if relay is not None and relay.sends:  # everything before this ran while the gradient travelled
             dfinal = _with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
@@ -290,14 +293,16 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dw = _buffer((Tp, HV, K), k.dtype, v.device)
         dgamma = _buffer((HV, Tp), torch.float32, v.device)
         launch_fitting(bwd.qkw_backward, lambda s: (n, HV),
-                       (q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H, HV, K, V, CHUNK, BK),
+                       (q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H, HV, K, V,
+                        CHUNK, BK),
                        _key_split_settings(K, V, TUNING["parallel_warps"]), key)
         del h, dh, delta
         dk_out = _buffer((Tp, HV, K), k.dtype, v.device) if G == 1 else dk
         dv = _buffer(v.shape, v.dtype, v.device)
         dbeta = _buffer((Tp, HV), torch.float32, v.device)
         launch_fitting(bwd.ut_backward, lambda s: (n, HV),
-                       (k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K, V, CHUNK, BK),
+                       (k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K, V,
+                        CHUNK, BK),
                        _key_split_settings(K, V, TUNING["parallel_warps"]), key)
         dk = dk_out
         if G > 1:  # value heads sharing a q/k head add their gradients

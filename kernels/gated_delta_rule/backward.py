@@ -12,10 +12,10 @@ so, with dS' the gradient reaching the chunk's end state,
 Kernels: `delta_grad_local` (first term of dDelta, parallel), `state_backward` (the sequential
 dS chain per document; stores dS' per chunk and the full dDelta), `span_summary_backward` (the
 chain over a span from [I | 0] at its end with injections [0 | dO, dDelta_local]: ends in
-[M^T | R], dS_start = M^T dS_end + R, so spans run side by side as in the forward), `qkw_backward` (dq, dk, dW and
-the gate terms from O and S', parallel) and `ut_backward` (dk, dv, dbeta and gate terms through W
-and U, parallel). Matrix products take input-dtype operands with fp32 accumulation, like the
-forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them into dg.
+[M^T | R], dS_start = M^T dS_end + R, so spans run side by side as in the forward), `qkw_backward`
+(dq, dk, dW and the gate terms from O and S', parallel) and `ut_backward` (dk, dv, dbeta and gate
+terms through W and U, parallel). Matrix products take input-dtype operands with fp32 accumulation,
+like the forward. Gate gradients are w.r.t. gamma (head-major); the wrapper turns them into dg.
 """
 import triton
 import triton.language as tl
@@ -55,7 +55,8 @@ def _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, chunk, hv, col0, 
     gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
     k_to_end = (kk * tl.exp(g_last - gam)[:, None]).to(kk.dtype)
-    d = load_rows(dd_local, row0, hv, HV, V, C, BV, col0).to(tl.float32) + tl.dot(k_to_end, dstate.to(kk.dtype))
+    d = (load_rows(dd_local, row0, hv, HV, V, C, BV, col0).to(tl.float32)
+         + tl.dot(k_to_end, dstate.to(kk.dtype)))
     store_rows(dd, d, row0, hv, HV, V, C, BV, col0)
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
     q_decayed = (qq * (tl.exp(gam) * scale)[:, None]).to(qq.dtype)
@@ -204,7 +205,8 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma,
         dkk += d_key_scaled * (b * e_gam)[:, None]
         db += e_gam * through_scale
         dgam += b * e_gam * through_scale
-        store_rows(dk_out, load_rows(dk, row0, hv, HV, K, C, KB, kb * KB) + dkk, row0, hv, HV, K, C, KB, kb * KB)
+        store_rows(dk_out, load_rows(dk, row0, hv, HV, K, C, KB, kb * KB) + dkk, row0, hv, HV, K, C, KB,
+                   kb * KB)
     tl.store(dbeta + (row0 + tl.arange(0, C)) * HV + hv, db)
     gptr = dgamma + hv * Tp + row0 + tl.arange(0, C)
     tl.store(gptr, tl.load(gptr) + dgam)
@@ -228,8 +230,8 @@ def _summary_step(q, k, w, gamma, do, dd_local, dstate, chunk, hv, cols, scale, 
 
 @triton.jit
 def span_summary_backward(q, k, w, gamma, do, dd_local, span_first, span_num_chunks, summary, scale, Tp,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                          BK: tl.constexpr, BE: tl.constexpr, INTERPRET: tl.constexpr):
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          C: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, INTERPRET: tl.constexpr):
     col_block, hv, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = col_block * BE + tl.arange(0, BE)
     first = tl.load(span_first + span)

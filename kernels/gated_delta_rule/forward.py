@@ -1,4 +1,5 @@
-"""Forward kernels of the chunked gated delta rule (the math is in gdn_parallel/ops/gated_delta_rule/chunk.py).
+"""Forward kernels of the chunked gated delta rule (the math is in
+gdn_parallel/ops/gated_delta_rule/chunk.py).
 
 1. `ut_forward`: per chunk and head, T = (I + A)^-1 (computed once here and kept, in the input dtype,
    for the backward) and the UT transform W = T diag(beta e^gamma) K, U = T diag(beta) V.
@@ -89,8 +90,8 @@ def state_forward(k, w, u, gamma, doc_first_chunk, doc_num_chunks, h0, h, delta,
 
 
 @triton.jit
-def _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+def _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     row0 = chunk * C
     ww = load_rows(w, row0, hv, HV, K, C, BK)
     d = load_value_columns(u, row0, hv, HV, V, K, C, cols).to(tl.float32) - tl.dot(ww, state.to(ww.dtype))
@@ -102,8 +103,8 @@ def _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H: tl.constexpr, H
 
 @triton.jit
 def span_summary_forward(k, w, u, gamma, span_first, span_num_chunks, summary, Tp, H: tl.constexpr,
-                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                         BE: tl.constexpr, INTERPRET: tl.constexpr):
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                         BK: tl.constexpr, BE: tl.constexpr, INTERPRET: tl.constexpr):
     col_block, hv, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = col_block * BE + tl.arange(0, BE)
     first = tl.load(span_first + span)

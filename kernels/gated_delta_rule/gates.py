@@ -276,22 +276,25 @@ def gate_backward(dgamma: torch.Tensor, dbeta: torch.Tensor, g: torch.Tensor, be
     n = Tp // CHUNK
     dg = _buffer((Tp, HV), torch.float32, g.device)
     dbeta_in = dbeta.float() if mode == 0 else _buffer((Tp, HV), torch.float32, g.device)
-    if has_params:
+    if decay_params is not None:
         a_log, dt_bias = (p.contiguous() for p in decay_params)
         da_log_part = _buffer((n, HV), torch.float32, g.device)
         ddt_bias_part = _buffer((n, HV), torch.float32, g.device)
     else:  # never touched (constexpr flag): dg stands in for the pointers
         a_log = dt_bias = da_log_part = ddt_bias_part = dg
-    H, KD, qk_args, dqk = 1, 1, (dg,) * 7, ()
+    H, KD = 1, 1
+    qk_args: tuple[torch.Tensor, ...] = (dg,) * 7
+    dqk: tuple[torch.Tensor, ...] = ()
     if qk_norm is not None:
         q_hat, k_hat, rstd, dq_hat, dk_hat = (x.contiguous() for x in qk_norm)
         H, KD = q_hat.shape[1], q_hat.shape[2]
-        dqk = (_buffer(q_hat.shape, q_hat.dtype, q_hat.device), _buffer(k_hat.shape, k_hat.dtype, k_hat.device))
+        dqk = (_buffer(q_hat.shape, q_hat.dtype, q_hat.device),
+               _buffer(k_hat.shape, k_hat.dtype, k_hat.device))
         qk_args = (q_hat, k_hat, dq_hat, dk_hat, *dqk, rstd)
     if Tp > 0 and HV > 0:
         _gate_bwd[(n, HV)](
-            dgamma, dbeta, g, beta, a_log, dt_bias, dg, dbeta_in, da_log_part, ddt_bias_part, *qk_args, Tp, HV, H,
-            HAS_DECAY_PARAMS=has_params, BETA_MODE=mode, C=CHUNK, INTERPRET=_INTERPRET,
+            dgamma, dbeta, g, beta, a_log, dt_bias, dg, dbeta_in, da_log_part, ddt_bias_part, *qk_args,
+            Tp, HV, H, HAS_DECAY_PARAMS=has_params, BETA_MODE=mode, C=CHUNK, INTERPRET=_INTERPRET,
             NORM_QK=qk_norm is not None, KD=KD, BK=_block(KD), num_warps=4 if qk_norm is not None else 1)
     if not has_params:
         return (dg, dbeta_in, None, None) + dqk

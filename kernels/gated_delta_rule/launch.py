@@ -48,9 +48,9 @@ def launch_fitting(kernel, grid: Callable[[dict], tuple], args: Sequence, settin
         _CHOSEN[key] = index
         return setting
     raise RuntimeError(f"{kernel.__name__}: none of the launch settings {settings} fits this device's "
-                       f"shared memory (kernel, K, V, dtype, device = {key}); the smallest failed with: {error}. "
-                       f"tools/kernel_resources.py shows each kernel's need for a device; gated_delta_rule("
-                       f"impl='chunk') runs any shape"
+                       f"shared memory (kernel, K, V, dtype, device = {key}); the smallest failed with: "
+                       f"{error}. tools/kernel_resources.py shows each kernel's need for a device; "
+                       f"gated_delta_rule(impl='chunk') runs any shape"
                        ) from error
 
 

@@ -36,6 +36,8 @@ class ScanPlan:
 
     @property
     def num_spans(self) -> int:
+        if self.span_first is None:
+            raise ValueError("this scan plan walks documents whole: it has no spans")
         return self.span_first.numel()
 
 
@@ -47,7 +49,10 @@ def plan_scan(doc_first: list, doc_count: list, device, span_chunks: int) -> Sca
     if span_chunks < 0 or longest < 2 * span_chunks:  # too short to gain from spans
         table = torch.tensor([doc_first, doc_count], dtype=torch.int32).to(device)
         return ScanPlan(table[0], table[1])
-    span_first, span_count, doc_span_first, doc_span_count = [], [], [], []
+    span_first: list[int] = []
+    span_count: list[int] = []
+    doc_span_first: list[int] = []
+    doc_span_count: list[int] = []
     for first, count in zip(doc_first, doc_count):
         doc_span_first.append(len(span_first))
         for offset in range(0, max(count, 1), span_chunks):

@@ -39,7 +39,8 @@ def test_a_full_disk_during_a_save(tmp_path, monkeypatch, capsys, async_save):
     assert "A checkpoint takes about " in err and " GiB are free on that file system" in err, err
     assert f"the newest complete one is {tmp_path / 'checkpoints' / 'step_2'}" in err, err
     assert not list((tmp_path / "checkpoints").glob("*.partial"))
-    assert latest_checkpoint(str(tmp_path)).name == "step_2" and verify(tmp_path / "checkpoints" / "step_2") is None
+    assert (latest_checkpoint(str(tmp_path)).name == "step_2"
+            and verify(tmp_path / "checkpoints" / "step_2") is None)
     assert (tmp_path / "loss.png").stat().st_size > 0 and not (tmp_path / "loss.png.partial").exists()
     monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
     assert run(["--resume", "auto", *argv])["start_step"] == 2

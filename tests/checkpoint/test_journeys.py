@@ -383,7 +383,8 @@ def reshard_out(reference, tmp_path_factory):
             root = tmp_path_factory.mktemp("reshard")
             source = start_from(reference["step_3"], root / "source")
             out, report = root / "out", root / "report.json"
-            micro_batches = ["--set", "train.microbatch_size=1"] if layout.startswith("pp") else []  # >= 2 stages
+            # >= 2 stages
+            micro_batches = ["--set", "train.microbatch_size=1"] if layout.startswith("pp") else []
             torchrun(2, "reshard", str(source), "--layout", layout, "--out", str(out), *micro_batches,
                      "--report", str(report), module="gdn_parallel.convert")
             found = json.loads(report.read_text())

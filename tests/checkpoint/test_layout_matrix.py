@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 SAVED_STEPS = (1, 2)    # step 1: no evaluation before the save; step 2: after one (eval_every=2)
 MODES = {"sync": False, "async": True}
-BASE = ["model.n_layers=2", "train.seq_len=64", "train.warmup_steps=1", "train.log_every=1", "train.eval_rows=3",
-        f"train.steps={STEPS}", "train.eval_every=2", "checkpoint.interval=1", "train.threads=1"]
+BASE = ["model.n_layers=2", "train.seq_len=64", "train.warmup_steps=1", "train.log_every=1",
+        "train.eval_rows=3", f"train.steps={STEPS}", "train.eval_every=2", "checkpoint.interval=1",
+        "train.threads=1"]
 LAYOUTS = {   # name: (processes, overrides giving a global batch of 2 rows)
     "one": (1, ["train.batch_size=2"]),
     "dp2-fsdp": (2, ["parallel.dp=2", "train.batch_size=1"]),
@@ -38,7 +39,8 @@ LAYOUTS = {   # name: (processes, overrides giving a global batch of 2 rows)
     "cp2": (2, ["parallel.cp=2", "train.batch_size=2"]),
     "tp2": (2, ["parallel.tp=2", "train.batch_size=2"]),
     "pp2": (2, ["parallel.pp=2", "train.batch_size=2", "train.microbatch_size=1"]),
-    "dp2xcp2-ddp": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.data_parallel=ddp", "train.batch_size=1"]),
+    "dp2xcp2-ddp": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.data_parallel=ddp",
+                        "train.batch_size=1"]),
     "dp2xcp2-hsdp": (4, ["parallel.dp=2", "parallel.cp=2", "train.batch_size=1"]),
 }
 
@@ -60,7 +62,8 @@ def config_for(corpus: Path, overrides, out_dir: Path, async_save: bool = False)
 
 
 def _summary(result: dict) -> dict:
-    return {"losses": list(result["losses"]), "val_loss": result["val_loss"], "start_step": result["start_step"]}
+    return {"losses": list(result["losses"]), "val_loss": result["val_loss"],
+            "start_step": result["start_step"]}
 
 
 def _copy_checkpoint(source: Path, out_dir: Path) -> None:
@@ -76,7 +79,8 @@ def train_layout(rank, world, corpus: Path, root: Path, overrides) -> dict:
     results = {}
     for mode, async_save in MODES.items():
         out_dir = root / mode
-        results[mode] = _summary(run_training(config_for(corpus, overrides, out_dir, async_save), lambda _: None))
+        results[mode] = _summary(run_training(config_for(corpus, overrides, out_dir, async_save),
+                                              lambda _: None))
         for step in SAVED_STEPS:
             resumed = root / f"{mode}-resumed-{step}"
             _copy_checkpoint(out_dir / "checkpoints" / f"step_{step}", resumed)
@@ -139,10 +143,12 @@ def test_checkpoints_resume_on_one_process(matrix, corpus, layout, tmp_path):
         for step in SAVED_STEPS:
             out_dir = tmp_path / f"{mode}-{step}"
             (out_dir / "checkpoints").mkdir(parents=True)
-            shutil.copytree(root / mode / "checkpoints" / f"step_{step}", out_dir / "checkpoints" / f"step_{step}")
+            shutil.copytree(root / mode / "checkpoints" / f"step_{step}",
+                            out_dir / "checkpoints" / f"step_{step}")
             config = config_for(corpus, LAYOUTS["one"][1], out_dir)
             resumed = run_training(config, lambda _: None, resume="auto")
             assert resumed["start_step"] == step
             expected = straight["losses"][step:]
             assert len(resumed["losses"]) == len(expected)
-            assert all(close(got, want) for got, want in zip(resumed["losses"], expected)), (mode, step, resumed)
+            assert all(close(got, want) for got, want in zip(resumed["losses"], expected)), \
+                (mode, step, resumed)

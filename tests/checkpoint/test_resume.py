@@ -99,7 +99,8 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, save_layout, re
             torchrun(nproc, run_dir, 4, *overrides, resume=resume)
         else:
             train(run_dir, 4, *overrides, resume=resume)
-        if steps_run == 2:  # as if interrupted after the step-2 checkpoint: keep it and what was logged before
+        # as if interrupted after the step-2 checkpoint: keep it and what was logged before
+        if steps_run == 2:
             shutil.rmtree(run_dir / "checkpoints" / "step_4")
             records = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                        if json.loads(line).get("step", 99) < 2 and "summary" not in json.loads(line)]
@@ -107,7 +108,8 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, save_layout, re
     expected, got = losses_by_step(reference), losses_by_step(run_dir)
     assert sorted(got) == [0, 1, 2, 3]
     for step in (2, 3):
-        assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), (step, got[step], expected[step])
+        assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), \
+            (step, got[step], expected[step])
 
 
 def test_an_interrupted_save_is_never_picked(tmp_path, monkeypatch):
@@ -136,8 +138,10 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tmp_path, ca
 
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "gdn_parallel.train", "--steps", "400", *BASE, "--set", f"train.out_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "gdn_parallel.train", "--steps", "400", *BASE, "--set",
+           f"train.out_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     lines, deadline = [], time.time() + 240
     for line in proc.stdout:
         lines.append(line)
@@ -160,7 +164,8 @@ def test_a_rollback_sets_the_abandoned_line_aside_and_keeps_the_new_one(tmp_path
     abandoned line are moved to checkpoints/abandoned/<time>/ and named; the new line's step_4 is
     kept (it used to be pruned at once in favour of the abandoned, higher-numbered step_6, which a
     later `--resume auto` then loaded, ending after 0 steps), and `--resume auto` continues it."""
-    # A constant LR: the lines end at other train.steps than the run they resume without changing its schedule.
+    # A constant LR: the lines end at other train.steps than the run they resume without changing its
+    # schedule.
     constant = ("--set", "train.lr_schedule=constant")
     train(tmp_path, 6, "--set", "checkpoint.interval=2", *constant)             # step_2, step_4, step_6
     capsys.readouterr()
@@ -184,5 +189,6 @@ def test_a_rolled_back_line_repeats_the_abandoned_one_bit_for_bit(tmp_path):
     train(tmp_path, 4, "--set", "checkpoint.interval=2")                         # step_2, step_4
     train(tmp_path, 4, "--set", "checkpoint.interval=2", resume=str(tmp_path / "checkpoints" / "step_2"))
     (abandoned,) = (tmp_path / "checkpoints" / "abandoned").glob("*/step_4")
-    new, old = (checkpoint_tensors(path, tmp_path) for path in (tmp_path / "checkpoints" / "step_4", abandoned))
+    new, old = (checkpoint_tensors(path, tmp_path)
+                for path in (tmp_path / "checkpoints" / "step_4", abandoned))
     assert new.keys() == old.keys() and all(torch.equal(new[key], old[key]) for key in new)

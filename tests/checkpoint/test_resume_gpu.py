@@ -24,7 +24,8 @@ STEPS, SAVED_AT = 12, 6
 
 
 def command(out_dir: Path, *extra: str) -> list:
-    return [sys.executable, "-m", "gdn_parallel.train", "--config", "configs/gdn-0.4b.yaml", "--steps", str(STEPS),
+    return [sys.executable, "-m", "gdn_parallel.train", "--config", "configs/gdn-0.4b.yaml",
+            "--steps", str(STEPS),
             *(x for field in ("train.warmup_steps=4", "train.log_every=1", "train.eval_every=0",
                               f"checkpoint.interval={SAVED_AT}", "checkpoint.async_save=false",
                               f"train.out_dir={out_dir}") for x in ("--set", field)), *extra]

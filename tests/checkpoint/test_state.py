@@ -11,7 +11,8 @@ from gdn_parallel.checkpoint.state import state_to_save
 def test_a_parameter_without_optimizer_state_fails_the_save_naming_it():
     model = nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    assert set(state_to_save(list(model.named_parameters()), optimizer, None)) == {"model.weight", "model.bias"}
+    assert set(state_to_save(list(model.named_parameters()), optimizer, None)) == \
+        {"model.weight", "model.bias"}
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
     saved = state_to_save(list(model.named_parameters()), optimizer, None)

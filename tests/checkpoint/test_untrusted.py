@@ -73,7 +73,8 @@ def reseal(checkpoint: Path) -> None:
 
 @pytest.mark.parametrize("manifest", ["forged", "absent"])
 @pytest.mark.parametrize("victim", [".metadata", "rng_rank0.pt", "__0_0.distcp", TRAINER_STATE])
-def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(saved, tmp_path, capsys, victim, manifest):
+def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(saved, tmp_path, capsys, victim,
+                                                                    manifest):
     out_dir = copy_run(saved, tmp_path)
     checkpoint = out_dir / "checkpoints" / "step_4"
     marker = tmp_path / "code-ran"
@@ -117,7 +118,8 @@ EXPECTED = {"flipped": "__0_0.distcp: checksum mismatch", "truncated": "__0_0.di
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
-def test_damage_is_named_and_resume_auto_takes_the_newest_checkpoint_that_verifies(saved, tmp_path, capsys, kind):
+def test_damage_is_named_and_resume_auto_takes_the_newest_checkpoint_that_verifies(saved, tmp_path, capsys,
+                                                                                   kind):
     out_dir = copy_run(saved, tmp_path)
     damaged = out_dir / "checkpoints" / "step_4"
     DAMAGE[kind](damaged)
@@ -142,7 +144,8 @@ def test_checksums_are_recorded_for_every_file(saved):
     checkpoint = saved / "checkpoints" / "step_4"
     recorded = integrity.read_manifest(checkpoint)
     on_disk = {p.name for p in checkpoint.iterdir()} - {integrity.MANIFEST, "COMPLETE"}
-    assert set(recorded) == on_disk and {".metadata", "__0_0.distcp", "rng_rank0.pt", TRAINER_STATE} <= on_disk
+    assert (set(recorded) == on_disk
+            and {".metadata", "__0_0.distcp", "rng_rank0.pt", TRAINER_STATE} <= on_disk)
     assert json.loads((checkpoint / integrity.MANIFEST).read_text())["version"] == integrity.MANIFEST_VERSION
 
 
@@ -157,14 +160,16 @@ def plant_in_data(checkpoint: Path, marker: Path) -> None:
 
 
 AT_THE_END = {  # damage -> the file a refusal must name
-    "flipped": (lambda checkpoint, marker: flip_bytes(checkpoint / "__0_0.distcp"), "__0_0.distcp: checksum mismatch"),
+    "flipped": (lambda checkpoint, marker: flip_bytes(checkpoint / "__0_0.distcp"),
+                "__0_0.distcp: checksum mismatch"),
     "planted rng": (plant_in_rng, "rng_rank0.pt"),
     "planted data": (plant_in_data, "__0_0.distcp"),
 }
 
 
 @pytest.mark.parametrize("kind", list(AT_THE_END))
-def test_a_damaged_checkpoint_at_train_steps_does_not_pass_for_the_finished_run(saved, tmp_path, capsys, kind):
+def test_a_damaged_checkpoint_at_train_steps_does_not_pass_for_the_finished_run(saved, tmp_path, capsys,
+                                                                                 kind):
     """The finished run's own command again (train.steps = the newest checkpoint's step) where that
     checkpoint is damaged: `--resume auto` passes over it naming the file and trains again from the newest
     that verifies, to a final checkpoint that verifies; `--resume <it>` is refused naming the file. Before,

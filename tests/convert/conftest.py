@@ -81,5 +81,5 @@ def skip_unless_fla_generate_works():
     import transformers
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     if (major, minor) >= (5, 24):
-        pytest.skip(f"transformers {transformers.__version__} hands fla 0.6.0 its cache under a name fla ignores; "
-                    f"pip install -e '.[dev]' installs transformers < 5.24", allow_module_level=True)
+        pytest.skip(f"transformers {transformers.__version__} hands fla 0.6.0 its cache under a name fla "
+                    f"ignores; pip install -e '.[dev]' installs transformers < 5.24", allow_module_level=True)

@@ -124,9 +124,11 @@ def test_unknown_formats_and_incomplete_checkpoints(hybrid_checkpoint, tmp_path,
     (tmp_path / "state.pt").write_bytes(b"not a torch file")
     fails(capsys, ["from-torch", str(tmp_path / "state.pt"), str(tmp_path / "x")], "not a torch file")
     torch.save({"weight": torch.zeros(2)}, tmp_path / "bare.pt")
-    fails(capsys, ["from-torch", str(tmp_path / "bare.pt"), str(tmp_path / "x")], "bare state dict", "--config")
+    fails(capsys, ["from-torch", str(tmp_path / "bare.pt"), str(tmp_path / "x")], "bare state dict",
+          "--config")
     torch.save({"model": {"weight": torch.zeros(2)}, "cfg": {}}, tmp_path / "other.pt")
-    fails(capsys, ["from-torch", str(tmp_path / "other.pt"), str(tmp_path / "x")], "'model'", "'config'", "'cfg'")
+    fails(capsys, ["from-torch", str(tmp_path / "other.pt"), str(tmp_path / "x")], "'model'", "'config'",
+          "'cfg'")
     assert main(["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")]) == 0
     fails(capsys, ["from-torch", str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "x")], "from-hf")
     fails(capsys, ["to-hf", str(tmp_path / "hf"), str(tmp_path / "x")], "Hugging Face folder", "from-hf")
@@ -142,7 +144,8 @@ def test_unknown_formats_and_incomplete_checkpoints(hybrid_checkpoint, tmp_path,
     (incomplete / "COMPLETE").write_text("")
     for data_file in incomplete.glob("*.distcp"):
         data_file.unlink()
-    fails(capsys, ["to-torch", str(incomplete), str(tmp_path / "x.pt")], "fails verification", "__0_0.distcp: missing")
+    fails(capsys, ["to-torch", str(incomplete), str(tmp_path / "x.pt")], "fails verification",
+          "__0_0.distcp: missing")
     assert nothing_written(tmp_path, "x") and nothing_written(tmp_path, "x.pt")
 
 
@@ -151,7 +154,8 @@ def test_an_existing_output_is_never_overwritten(hybrid_checkpoint, tmp_path, ca
     (tmp_path / "hf" / "mine.txt").write_text("keep")
     fails(capsys, ["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")], "already exists")
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["mine.txt"]
-    fails(capsys, ["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf2"), "--shard-size", "lots"], "--shard-size")
+    fails(capsys, ["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf2"), "--shard-size", "lots"],
+          "--shard-size")
 
 
 def test_a_conversion_that_fails_midway_leaves_nothing(hybrid_checkpoint, tmp_path, monkeypatch):
@@ -167,7 +171,8 @@ def test_a_conversion_that_fails_midway_leaves_nothing(hybrid_checkpoint, tmp_pa
     assert list(tmp_path.iterdir()) == []   # no folder, no temporary, no parent it created
 
 
-def test_a_safetensors_header_length_past_the_file_is_named_not_allocated(hybrid_checkpoint, tmp_path, capsys):
+def test_a_safetensors_header_length_past_the_file_is_named_not_allocated(hybrid_checkpoint, tmp_path,
+                                                                          capsys):
     """A damaged header length (here 2**62) used to be read as asked: a MemoryError."""
     assert main(["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")]) == 0
     weights = tmp_path / "hf" / "model.safetensors"
@@ -177,19 +182,22 @@ def test_a_safetensors_header_length_past_the_file_is_named_not_allocated(hybrid
     assert nothing_written(tmp_path, "x")
 
 
-@pytest.mark.parametrize("seed", [0, 2, 20])   # unpickling these bytes fails with UnpicklingError, IndexError, KeyError
+# unpickling these bytes fails with UnpicklingError, IndexError, KeyError
+@pytest.mark.parametrize("seed", [0, 2, 20])
 def test_random_bytes_as_a_torch_file_are_named(tmp_path, capsys, seed):
     """Random bytes used to end in a traceback (IndexError, KeyError) from the unpickler."""
     noise = tmp_path / "noise.pt"
     noise.write_bytes(random.Random(seed).randbytes(4096))
-    fails(capsys, ["from-torch", str(noise), str(tmp_path / "x")], str(noise), "is not a torch file of tensors")
+    fails(capsys, ["from-torch", str(noise), str(tmp_path / "x")], str(noise),
+          "is not a torch file of tensors")
 
 
 def test_without_the_safetensors_library_the_commands_say_what_to_install(hybrid_checkpoint, tmp_path, capsys,
                                                                            monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    fails(capsys, ["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")], "pip install 'gdn-parallel[convert]'")
+    fails(capsys, ["to-hf", str(hybrid_checkpoint), str(tmp_path / "hf")],
+          "pip install 'gdn-parallel[convert]'")
     assert nothing_written(tmp_path, "hf")
 
 

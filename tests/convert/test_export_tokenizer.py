@@ -29,7 +29,8 @@ def read_json(path) -> dict:
 
 
 def test_a_bpe_export_holds_the_tokenizer_transformers_loads(bpe_checkpoint, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                                              "(pip install -e '.[dev]')")
     root = bpe_checkpoint.parents[2]
     # the checkpoint travels: the data and the tokenizer file it was prepared from are not needed
     moved = tmp_path / "elsewhere" / "step_1"
@@ -61,7 +62,8 @@ def test_a_bpe_export_holds_the_tokenizer_transformers_loads(bpe_checkpoint, tmp
 
 
 def test_a_bpe_export_loads_strictly_into_fla_on_the_meta_device(bpe_checkpoint, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                                              "(pip install -e '.[dev]')")
     fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is not installed")
     folder = tmp_path / "hf"
     exported(bpe_checkpoint, folder, capsys)
@@ -79,7 +81,8 @@ def test_a_bpe_export_loads_strictly_into_fla_on_the_meta_device(bpe_checkpoint,
 def test_a_byte_level_export_has_no_tokenizer_files_and_null_ids(hybrid_checkpoint, tmp_path, capsys):
     folder = tmp_path / "hf"
     assert "byte-level data (ids are UTF-8 bytes" in exported(hybrid_checkpoint, folder, capsys)
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json",
+                                                        "model.safetensors"]
     config = read_json(folder / "config.json")
     assert {key: config[key] for key in IDS} == NULL_IDS == read_json(folder / "generation_config.json")
     assert config[EMBEDDED]["tokenizer"] == {"kind": "bytes", "vocab_size": 256}
@@ -110,5 +113,6 @@ def test_weights_go_on_only_with_data_of_their_tokenizer(bpe_checkpoint, hybrid_
     assert (tmp_path / "dcp" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     # and a byte-level export into BPE data
     exported(hybrid_checkpoint, tmp_path / "bytes-hf", capsys)
-    assert main(["from-hf", str(tmp_path / "bytes-hf"), str(tmp_path / "x"), "--set", f"data.source={data}"]) == 2
+    assert main(["from-hf", str(tmp_path / "bytes-hf"), str(tmp_path / "x"), "--set",
+                 f"data.source={data}"]) == 2
     assert "byte-level data (text files" in capsys.readouterr().err

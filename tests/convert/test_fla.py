@@ -23,7 +23,8 @@ from .conftest import all_tensors, assert_same_tensors, greedy_continuation, ski
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
 fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is not installed "
                                                       "(pip install -e '.[dev]')")
-GatedDeltaNetConfig, GatedDeltaNetForCausalLM = fla_models.GatedDeltaNetConfig, fla_models.GatedDeltaNetForCausalLM
+GatedDeltaNetConfig, GatedDeltaNetForCausalLM = (fla_models.GatedDeltaNetConfig,
+                                                 fla_models.GatedDeltaNetForCausalLM)
 
 
 @pytest.fixture
@@ -78,8 +79,8 @@ def test_a_pure_gdn_export_loads_into_fla_strictly_and_gives_our_logits(gdn_chec
     assert (theirs - ours).abs().max() <= 1e-5 * ours.abs().max()
 
 
-def test_a_hybrid_export_is_an_fla_model_with_our_names_and_logits(hybrid_checkpoint, tmp_path, untimed_autotuning,
-                                                                    flash_attn_reference):
+def test_a_hybrid_export_is_an_fla_model_with_our_names_and_logits(hybrid_checkpoint, tmp_path,
+                                                                    untimed_autotuning, flash_attn_reference):
     folder = tmp_path / "hf"
     assert main(["to-hf", str(hybrid_checkpoint), str(folder)]) == 0
     config = GatedDeltaNetConfig.from_pretrained(folder)
@@ -108,7 +109,8 @@ def test_a_folder_written_by_fla_converts_bit_exactly(tmp_path):
     expected = {k: v.detach() for k, v in fla_model.state_dict().items()}
     assert_same_tensors(read_folder(tmp_path / "back"), expected)
     model = {k[len("model."):]: v for k, v in all_tensors(tmp_path / "dcp").items() if k.startswith("model.")}
-    assert_same_tensors({("model." + k if k != "lm_head.weight" else k): v for k, v in model.items()}, expected)
+    assert_same_tensors({("model." + k if k != "lm_head.weight" else k): v for k, v in model.items()},
+                        expected)
 
 
 def test_transformers_generation_from_a_bpe_export_is_our_greedy_continuation(bpe_checkpoint, tmp_path,
@@ -122,7 +124,8 @@ def test_transformers_generation_from_a_bpe_export_is_our_greedy_continuation(bp
     assert main(["to-hf", str(bpe_checkpoint), str(folder)]) == 0
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     generation = transformers.GenerationConfig.from_pretrained(folder)
-    prompt = torch.tensor([[tokenizer.bos_token_id] + tokenizer("the quick brown", add_special_tokens=False).input_ids])
+    prompt = torch.tensor([[tokenizer.bos_token_id]
+                           + tokenizer("the quick brown", add_special_tokens=False).input_ids])
     expected, _ = greedy_continuation(model_from_hf(folder).eval(), prompt, 8, generation.eos_token_id)
     theirs = GatedDeltaNetForCausalLM.from_pretrained(folder, fuse_norm=False, fuse_swiglu=False).eval()
     with torch.no_grad():

@@ -20,11 +20,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
 fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is not installed")
 
-SETTINGS = {"model.vocab_size": 256, "model.hidden_size": 512, "model.n_layers": 4, "model.layer_pattern": "G",
-            "model.gdn_num_heads": 2, "model.gdn_head_dim": 128, "model.gdn_expand_v": 2.0,
-            "model.tie_word_embeddings": False, "train.seq_len": 1024, "train.batch_size": 2,
-            "train.microbatch_size": 2, "train.steps": 3, "train.warmup_steps": 1, "train.lr": 1e-3,
-            "train.log_every": 1, "train.eval_every": 0, "train.dtype": "bfloat16"}
+SETTINGS = {"model.vocab_size": 256, "model.hidden_size": 512, "model.n_layers": 4,
+            "model.layer_pattern": "G", "model.gdn_num_heads": 2, "model.gdn_head_dim": 128,
+            "model.gdn_expand_v": 2.0, "model.tie_word_embeddings": False, "train.seq_len": 1024,
+            "train.batch_size": 2, "train.microbatch_size": 2, "train.steps": 3, "train.warmup_steps": 1,
+            "train.lr": 1e-3, "train.log_every": 1, "train.eval_every": 0, "train.dtype": "bfloat16"}
 
 
 def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:

@@ -20,15 +20,16 @@ from .conftest import greedy_continuation, skip_unless_fla_generate_works
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                                          "(pip install -e '.[dev]')")
 fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is not installed")
 skip_unless_fla_generate_works()
 
-SETTINGS = {"model.vocab_size": 300, "model.hidden_size": 256, "model.n_layers": 2, "model.layer_pattern": "G",
-            "model.gdn_num_heads": 2, "model.gdn_head_dim": 64, "model.gdn_expand_v": 2.0,
-            "model.tie_word_embeddings": False, "train.seq_len": 256, "train.batch_size": 8,
-            "train.steps": 80, "train.warmup_steps": 5, "train.lr": 3e-3, "train.log_every": 20,
-            "train.eval_every": 0, "train.dtype": "float32"}
+SETTINGS = {"model.vocab_size": 300, "model.hidden_size": 256, "model.n_layers": 2,
+            "model.layer_pattern": "G", "model.gdn_num_heads": 2, "model.gdn_head_dim": 64,
+            "model.gdn_expand_v": 2.0, "model.tie_word_embeddings": False, "train.seq_len": 256,
+            "train.batch_size": 8, "train.steps": 80, "train.warmup_steps": 5, "train.lr": 3e-3,
+            "train.log_every": 20, "train.eval_every": 0, "train.dtype": "float32"}
 NEW_TOKENS = 48
 
 
@@ -40,7 +41,8 @@ def cyclic_documents(count: int = 400):
 
 def test_transformers_generation_from_an_export_is_our_greedy_continuation(tmp_path):
     data = prepare_bpe_dataset(tmp_path / "bpe", cyclic_documents())
-    overrides = [x for key, value in {**SETTINGS, "data.source": data}.items() for x in ("--set", f"{key}={value}")]
+    overrides = [x for key, value in {**SETTINGS, "data.source": data}.items()
+                 for x in ("--set", f"{key}={value}")]
     train(overrides + ["--set", f"train.out_dir={tmp_path / 'run'}"])
     folder = tmp_path / "hf"
     assert convert(["to-hf", str(tmp_path / "run"), str(folder)]) == 0
@@ -51,8 +53,8 @@ def test_transformers_generation_from_an_export_is_our_greedy_continuation(tmp_p
     ours = model_from_hf(folder, device="cuda").eval()
     for start in (3, 11):
         text = " ".join(WORDS[(start + k) % len(WORDS)] for k in range(6))
-        prompt = torch.tensor([[tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids],
-                              device="cuda")
+        prompt = torch.tensor([[tokenizer.bos_token_id]
+                               + tokenizer(text, add_special_tokens=False).input_ids], device="cuda")
         expected, margin = greedy_continuation(ours, prompt, NEW_TOKENS, generation.eos_token_id)
         with torch.no_grad():
             generated = theirs.generate(prompt, generation_config=generation, max_new_tokens=NEW_TOKENS,

@@ -40,7 +40,8 @@ def test_a_converted_checkpoint_in_pipeline_stages_on_two_processes(hybrid_check
     argv = ["reshard", str(converted), "--layout", "pp=2", "--out", str(out), "--report", str(report)]
     # the config.yaml --out writes must train as written: a pipeline of 2 stages needs 2 micro-batches
     assert main(argv) == 2 and not out.exists()
-    assert "does not train under this layout: train.microbatch_size=0 gives 1 micro-batch(es)" in capsys.readouterr().err
+    assert ("does not train under this layout: train.microbatch_size=0 gives 1 micro-batch(es)"
+            in capsys.readouterr().err)
     assert run_workers(reshard_worker, 2, argv + ["--set", "train.microbatch_size=1"]) == [0, 0]
     result = report_of(report)
     assert result["ok"] and not result["held_by_no_rank"] and result["step"] == 0
@@ -51,10 +52,12 @@ def test_a_converted_checkpoint_in_pipeline_stages_on_two_processes(hybrid_check
 
 def test_tensor_and_data_parallel_on_four_processes_and_a_resave(hybrid_checkpoint, tmp_path, capsys):
     report, out = tmp_path / "report.json", tmp_path / "resharded"
-    argv = ["reshard", str(hybrid_checkpoint), "--layout", "tp=2,dp=2", "--out", str(out), "--report", str(report)]
+    argv = ["reshard", str(hybrid_checkpoint), "--layout", "tp=2,dp=2", "--out", str(out), "--report",
+            str(report)]
     # train.batch_size is per replica: the run's global batch of one row cannot stay one row over 2 replicas
     assert main(argv) == 2 and not out.exists()
-    assert "global batch of 1 rows (train.batch_size=1 x dp=1) does not split over parallel.dp=2" in capsys.readouterr().err
+    assert ("global batch of 1 rows (train.batch_size=1 x dp=1) does not split over parallel.dp=2"
+            in capsys.readouterr().err)
     argv += ["--set", "train.batch_size=1"]    # a global batch of 2 from here on, chosen explicitly
     assert run_workers(reshard_worker, 4, argv) == [0, 0, 0, 0]
     result = report_of(report)
@@ -65,9 +68,11 @@ def test_tensor_and_data_parallel_on_four_processes_and_a_resave(hybrid_checkpoi
     state = read_trainer_state(saved)
     assert state["layout"]["tp"] == 2 and state["layout"]["dp"] == 2
     assert state["data"] == read_trainer_state(hybrid_checkpoint)["data"]
-    assert (saved / "tokenizer_info.json").read_bytes() == (hybrid_checkpoint / "tokenizer_info.json").read_bytes()
+    assert (saved / "tokenizer_info.json").read_bytes() == \
+        (hybrid_checkpoint / "tokenizer_info.json").read_bytes()
     # as complete as the trainer's: the run's config.yaml names the new run and layout, the checkpoint's too
-    assert state["config"]["train"]["out_dir"] == str(out) and state["resharded_from"] == str(hybrid_checkpoint)
+    assert (state["config"]["train"]["out_dir"] == str(out)
+            and state["resharded_from"] == str(hybrid_checkpoint))
     for config_file in (out / "config.yaml", saved / "config.yaml"):
         config = Config.from_yaml(config_file)
         assert config.train.out_dir == str(out) and (config.parallel.tp, config.parallel.dp) == (2, 2)
@@ -88,8 +93,8 @@ def test_a_tensor_that_did_not_land_is_reported(hybrid_checkpoint, tmp_path, mon
     assert main(["reshard", str(hybrid_checkpoint), "--layout", "tp=1", "--report", str(report)]) == 1
     result = report_of(report)
     assert not result["ok"]
-    assert result["ranks"][0]["mismatches"] == ["model.layers.1.attn.k_proj.weight: 1 of 512 values differ from "
-                                                "the checkpoint"]
+    assert result["ranks"][0]["mismatches"] == ["model.layers.1.attn.k_proj.weight: 1 of 512 values "
+                                                "differ from the checkpoint"]
     assert "MISMATCH" in capsys.readouterr().out
 
 

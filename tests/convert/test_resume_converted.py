@@ -16,8 +16,8 @@ def test_the_trainer_resumes_from_a_converted_folder(hybrid_checkpoint, tmp_path
     folder, converted, run_dir = tmp_path / "hf", tmp_path / "step_0", tmp_path / "run"
     assert main(["to-hf", str(hybrid_checkpoint), str(folder)]) == 0
     assert main(["from-hf", str(folder), str(converted)]) == 0
-    summary = run(["--config", str(converted / "config.yaml"), *SHORT_RUN, "--set", f"train.out_dir={run_dir}",
-                   "--resume", str(converted)])
+    summary = run(["--config", str(converted / "config.yaml"), *SHORT_RUN, "--set",
+                   f"train.out_dir={run_dir}", "--resume", str(converted)])
     assert summary["start_step"] == 0 and summary["steps"] == 1
     assert (run_dir / "checkpoints" / "step_1" / "COMPLETE").is_file()
 

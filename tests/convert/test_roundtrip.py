@@ -37,7 +37,8 @@ def logits(model: HybridLM) -> torch.Tensor:
 
 
 def test_round_trips_are_bit_exact_and_keep_the_config(hybrid_checkpoint, tmp_path):
-    hf, back, file, again, sharded = (tmp_path / name for name in ("hf", "dcp", "model.pt", "dcp2", "hf-sharded"))
+    hf, back, file, again, sharded = (tmp_path / name
+                                      for name in ("hf", "dcp", "model.pt", "dcp2", "hf-sharded"))
     assert main(["to-hf", str(hybrid_checkpoint), str(hf)]) == 0
     assert main(["from-hf", str(hf), str(back)]) == 0
     assert main(["to-torch", str(back), str(file)]) == 0
@@ -68,7 +69,8 @@ def test_new_checkpoints_hold_fresh_adamw_slots(hybrid_checkpoint, tmp_path):
     for name in names:
         for moment in ("exp_avg", "exp_avg_sq"):
             slot = tensors[f"optim.{name}.{moment}"]
-            assert slot.dtype == torch.float32 and not slot.any() and slot.shape == tensors[f"model.{name}"].shape
+            assert (slot.dtype == torch.float32 and not slot.any()
+                    and slot.shape == tensors[f"model.{name}"].shape)
         assert tensors[f"optim.{name}.step"].item() == 0  # the first update is a fresh AdamW's
     assert len(tensors) == 4 * len(names)
 
@@ -123,13 +125,15 @@ def test_dtypes_change_only_when_asked(hybrid_checkpoint, tmp_path):
 
 def test_a_bare_state_dict_converts_with_the_config_that_describes_it(tmp_path):
     config_file = tmp_path / "tied.yaml"
-    config_file.write_text("model:\n  hidden_size: 32\n  n_layers: 2\n  layer_pattern: GA\n  gdn_num_heads: 2\n"
-                           "  gdn_head_dim: 8\n  attn_num_heads: 4\n  tie_word_embeddings: true\n")
+    config_file.write_text("model:\n  hidden_size: 32\n  n_layers: 2\n  layer_pattern: GA\n"
+                           "  gdn_num_heads: 2\n  gdn_head_dim: 8\n  attn_num_heads: 4\n"
+                           "  tie_word_embeddings: true\n")
     model = HybridLM(Config.from_yaml(config_file).model)
     state = model.state_dict()
     assert "lm_head.weight" in state   # a module's state dict holds the tied head too
     torch.save(state, tmp_path / "state.pt")
-    assert main(["from-torch", str(tmp_path / "state.pt"), str(tmp_path / "dcp"), "--config", str(config_file)]) == 0
+    assert main(["from-torch", str(tmp_path / "state.pt"), str(tmp_path / "dcp"), "--config",
+                 str(config_file)]) == 0
     converted = {k[len("model."):]: v for k, v in model_part(all_tensors(tmp_path / "dcp")).items()}
     assert_same_tensors(converted, {k: v for k, v in state.items() if k != "lm_head.weight"})
     assert torch.equal(logits(original_model(tmp_path / "dcp")), logits(model.eval()))

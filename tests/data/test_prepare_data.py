@@ -33,8 +33,9 @@ def jsonl(texts, key="text"):
 
 
 def test_bytes_round_trip_text_and_jsonl(tmp_path):
-    write_tree(tmp_path / "in", {"a.txt": "héllo wörld", "b/c.md": "# notes\n", "d.jsonl": jsonl(TEXTS) + "\n",
-                                 "skip.txt": b"\x00binary", "e.csv": "left,out"})
+    write_tree(tmp_path / "in", {"a.txt": "héllo wörld", "b/c.md": "# notes\n",
+                                 "d.jsonl": jsonl(TEXTS) + "\n", "skip.txt": b"\x00binary",
+                                 "e.csv": "left,out"})
     out = tmp_path / "out"
     assert run([tmp_path / "in"], out) == 0
     metadata = json.loads((out / METADATA_FILE).read_text())
@@ -45,12 +46,14 @@ def test_bytes_round_trip_text_and_jsonl(tmp_path):
     assert metadata["num_documents"] == 32 and metadata["num_tokens"] == sum(map(len, expected))
     assert metadata["max_token_id"] == max(max(d) for d in expected)
     assert metadata["skipped"] == {"binary_files": 1, "empty_documents": 0}
-    assert [s["path"].rsplit("/", 1)[-1] for s in metadata["sources"]] == ["a.txt", "c.md", "d.jsonl", "skip.txt"]
+    assert [s["path"].rsplit("/", 1)[-1] for s in metadata["sources"]] == \
+        ["a.txt", "c.md", "d.jsonl", "skip.txt"]
     assert not (out / PARTIAL_DIR).exists()
     # the same ids data.source reads from the text files directly
     direct = load_corpus(DataConfig(source=str(tmp_path / "in" / "b"), val_fraction=0.0))
     prepared = load_dataset(DataConfig(source=str(out), val_fraction=0.0))
-    assert direct.train[0].tolist() in [prepared.train.document(i).tolist() for i in range(len(prepared.train))]
+    assert direct.train[0].tolist() in [prepared.train.document(i).tolist()
+                                        for i in range(len(prepared.train))]
 
 
 def test_workers_and_shard_sizes_do_not_change_the_output(tmp_path):
@@ -212,9 +215,10 @@ def test_a_tokenizer_file_records_each_tokens_bytes_and_its_special_tokens(tmp_p
     counts = np.fromfile(out / TOKEN_BYTES_FILE, dtype=metadata["text_bytes"]["dtype"])
     offsets = np.load(out / OFFSETS_FILE)
     # every document's bytes counted once over its tokens (gaps, accents, an emoji split over tokens)
-    assert [int(counts[a:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])] == [len(t.encode()) for t in documents]
-    assert metadata["text_bytes"] == {"num_bytes": sum(len(t.encode()) for t in documents), "file": TOKEN_BYTES_FILE,
-                                      "dtype": "uint8"}
+    assert [int(counts[a:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])] == \
+        [len(t.encode()) for t in documents]
+    assert metadata["text_bytes"] == {"num_bytes": sum(len(t.encode()) for t in documents),
+                                      "file": TOKEN_BYTES_FILE, "dtype": "uint8"}
     assert (out / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
     special = metadata["tokenizer"]["special_tokens"]
     assert {role: (token["content"], token["id"]) for role, token in special.items()} == {

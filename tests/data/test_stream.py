@@ -103,7 +103,8 @@ def test_resume_from_state_is_exact_across_epochs(packing):
         for _ in range(cut):
             next(walked)
         state = json.loads(json.dumps(walked.state_dict()))   # what a checkpoint keeps
-        assert set(state) == {"version", "epoch", "tokens_into_epoch", "seed", "documents", "tokens_per_epoch"}
+        assert set(state) == {"version", "epoch", "tokens_into_epoch", "seed", "documents",
+                              "tokens_per_epoch"}
         resumed = stream(documents, **args)
         resumed.load_state_dict(state)
         for index in range(cut, cut + 15):
@@ -157,7 +158,8 @@ def test_every_replica_gets_the_same_number_of_batches(dp_size):
     assert dropped == [total // per_global] * dp_size
     # the endless stream: the ceil(total / global batch) batches that cover epoch 0 on every replica
     covering = math.ceil(total / per_global)
-    streams = [stream(documents, seq_len, rows, dp_rank=r, dp_size=dp_size, seed=seed) for r in range(dp_size)]
+    streams = [stream(documents, seq_len, rows, dp_rank=r, dp_size=dp_size, seed=seed)
+               for r in range(dp_size)]
     taken = [[next(s) for _ in range(covering)] for s in streams]
     interleaved = torch.cat([taken[r][k].input_ids[0] for k in range(covering) for r in range(dp_size)])
     assert torch.equal(interleaved[:total], epoch_stream(documents, seed))
@@ -198,7 +200,8 @@ def test_concatenate_packing_runs_rows_across_documents():
         a, b = next(by_document), next(concatenated)
         assert torch.equal(a.input_ids, b.input_ids)              # the same tokens
         boundaries_inside_rows += a.num_docs - rows                # documents end inside rows ...
-        assert b.cu_seqlens.tolist() == list(range(0, seq_len * rows + 1, seq_len))   # ... one sequence per row
+        # ... one sequence per row
+        assert b.cu_seqlens.tolist() == list(range(0, seq_len * rows + 1, seq_len))
         assert b.position_ids[0].tolist() == list(range(seq_len)) * rows
         ids, labels = b.input_ids[0], b.labels[0]
         for start in range(0, seq_len * rows, seq_len):           # labels cross document boundaries

@@ -56,4 +56,5 @@ def test_the_rows_are_the_first_rows_of_the_split_and_a_small_split_is_taken_who
     one_epoch = TokenBatches(docs, SEQ_LEN, 2, seed=0, epochs=1, drop_last=False)
     expected = sorted(pair for b in one_epoch for pair in zip(b.input_ids[b.labels != IGNORE_INDEX].tolist(),
                                                                b.labels[b.labels != IGNORE_INDEX].tolist()))
-    assert labelled(docs, 1000, dp=1, rows_per_micro_batch=2, micro_batches=1, packing="documents") == expected
+    assert labelled(docs, 1000, dp=1, rows_per_micro_batch=2, micro_batches=1,
+                    packing="documents") == expected

@@ -168,7 +168,8 @@ def test_repeated_keys_bf16_on_gpu(noise):
         assert torch.isfinite(a).all(), f"{name} has non-finite values"
         err, rounding_err = rel_err(a.cpu(), e.cpu()), rel_err(r.cpu(), e.cpu())
         print(f"{name}: triton bf16 {err:.2e}, oracle on bf16-rounded inputs {rounding_err:.2e}")
-        assert err < max(1e-2, 4 * rounding_err), f"{name}: {err:.2e} (input rounding alone {rounding_err:.2e})"
+        assert err < max(1e-2, 4 * rounding_err), \
+            f"{name}: {err:.2e} (input rounding alone {rounding_err:.2e})"
 
 
 # Every head size the op accepts, in every input dtype: the launch settings step down where a device
@@ -183,7 +184,8 @@ HEAD_GRID = [(16, 32), (32, 32), (64, 64), (64, 128), (128, 128), (128, 256), (2
 @pytest.mark.parametrize("K, V", HEAD_GRID)
 def test_every_head_size_and_dtype_on_gpu(K, V, dtype):
     cu = torch.tensor([0, 100, 300, 512], device=device)
-    inputs = gdn_inputs(1, 512, 2, 2, K, V, dtype=torch.float32, seed=K + V, num_states=3, requires_grad=False)
+    inputs = gdn_inputs(1, 512, 2, 2, K, V, dtype=torch.float32, seed=K + V, num_states=3,
+                        requires_grad=False)
     # fp32: IEEE products in tests (conftest); the half-precision bounds are those of the tests above
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-2}[dtype]
     assert_close(run(inputs, "triton", dtype, cu), run(inputs, "chunk", torch.float64, cu), tol)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from gdn_parallel.config import Config, ConfigError, ModelConfig, TrainConfig
+from gdn_parallel.model import check_layers
 from gdn_parallel.ops.triton_dispatch import check_kernel_config, kernel_module
 from tools.count_params import count_parameters
 
@@ -194,21 +195,30 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("overrides,field", BAD_INPUTS, ids=[str(o) for o, _ in BAD_INPUTS])
 def test_bad_input_fails_at_load_naming_the_field(overrides, field):
+    """At load, or where the config first meets the model (the layer pattern's rules are the model's)."""
     with pytest.raises(ConfigError) as info:
-        Config.from_yaml(TINY, [overrides] if isinstance(overrides, str) else overrides)
+        config = Config.from_yaml(TINY, [overrides] if isinstance(overrides, str) else overrides)
+        check_layers(config.model, config.parallel.tp)
     assert field in str(info.value)
+
+
+def loaded_for_the_model(overrides) -> Config:
+    """A config as the trainer takes it: validated on load, then checked against the model's layers."""
+    config = Config.from_yaml(TINY, overrides)
+    check_layers(config.model, config.parallel.tp)
+    return config
 
 
 def test_tp_splits_only_the_heads_of_layers_the_model_has():
     """A pure GDN model has no attention heads to split, a pure attention model no GDN heads."""
     pure_gdn = ["model.layer_pattern=G", "model.gdn_num_heads=8", "model.gdn_head_dim=16", "parallel.tp=8"]
-    Config.from_yaml(TINY, pure_gdn)  # validated on load
+    loaded_for_the_model(pure_gdn)
     with pytest.raises(ConfigError, match="model.attn_num_heads=4 is not divisible by parallel.tp=8"):
-        Config.from_yaml(TINY, pure_gdn[1:])  # the same with the G/S hybrid: 4 attention heads
+        loaded_for_the_model(pure_gdn[1:])  # the same with the G/S hybrid: 4 attention heads
     pure_attention = ["model.layer_pattern=A", "model.attn_num_heads=8", "parallel.tp=8"]
-    Config.from_yaml(TINY, pure_attention)  # 2 GDN heads, but no GDN layer
+    loaded_for_the_model(pure_attention)  # 2 GDN heads, but no GDN layer
     with pytest.raises(ConfigError, match="model.gdn_num_heads=2 is not divisible by parallel.tp=8"):
-        Config.from_yaml(TINY, pure_attention[1:])
+        loaded_for_the_model(pure_attention[1:])
 
 
 def test_bad_inputs_cover_every_field():
@@ -239,15 +249,16 @@ def test_a_key_given_twice_names_both_lines(tmp_path):
     """YAML itself keeps the last of two equal keys; a config doing that is refused."""
     path = tmp_path / "twice.yaml"
     path.write_text("train:\n  steps: 3\n  lr: 1.0e-3\n  steps: 5\nmodel:\n  n_layers: 2\n")
-    with pytest.raises(ConfigError, match=r"twice\.yaml', line 4: the key 'steps' appears twice in one section "
-                                          r"\(first on line 2\); keep one"):
+    with pytest.raises(ConfigError, match=r"twice\.yaml', line 4: the key 'steps' appears twice in one "
+                                          r"section \(first on line 2\); keep one"):
         Config.from_yaml(path)
     path.write_text("train:\n  steps: 3\nmodel:\n  steps: 3\n")   # the same name in two sections is fine
     with pytest.raises(ConfigError, match=r"unknown field\(s\) \['model.steps'\]"):
         Config.from_yaml(path)
 
 
-@pytest.mark.parametrize("word, value", [("off", "off"), ("on", "on"), ("no", "off"), ("true", "on"), ("auto", "auto")])
+@pytest.mark.parametrize("word, value", [("off", "off"), ("on", "on"), ("no", "off"), ("true", "on"),
+                                         ("auto", "auto")])
 def test_on_off_fields_take_yaml_booleans(tmp_path, word, value):
     """YAML 1.1 reads a bare off/on/no/true as a boolean; a field whose choices are on/off takes them."""
     assert Config.from_yaml(TINY, [f"log.progress_bar={word}"]).log.progress_bar == value
@@ -293,7 +304,8 @@ def test_triton_gdn_on_cpu_fails_at_start_up(monkeypatch):
 def test_triton_chunk_size_is_the_kernels():
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
         check_kernel_config(ModelConfig(gdn_impl="triton", gdn_chunk_size=32), on_cuda=True, dtype="bfloat16")
-    check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=False, dtype="float32")  # auto: PyTorch chunks
+    # auto: PyTorch chunks
+    check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=False, dtype="float32")
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):  # auto on CUDA runs the kernels
         check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=True, dtype="bfloat16")
 
@@ -310,5 +322,6 @@ def test_collective_timeout_names_its_range_and_the_first_steps_it_must_outlast(
     with pytest.raises(ConfigError, match=r"train.collective_timeout_s=0.0 must be a number of seconds in "
                                           r"\[1, 86400\].*Triton compilation.*e.g. 600"):
         TrainConfig(collective_timeout_s=0).validate()
-    assert TrainConfig().collective_timeout_s == 600.0   # > the ~3 min of Triton compilation in the first steps
+    # > the ~3 min of Triton compilation in the first steps
+    assert TrainConfig().collective_timeout_s == 600.0
     assert Config.from_yaml(TINY, ["train.collective_timeout_s=30"]).train.collective_timeout_s == 30.0

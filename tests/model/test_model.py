@@ -117,7 +117,7 @@ def test_layer_pattern_tiling_and_explicit():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(layer_pattern="GX"), "unknown layer symbol"),
+    (dict(layer_pattern="GX", n_layers=2), "unknown layer symbol"),   # checked once the pattern tiles
     (dict(layer_pattern="GS", n_layers=3), "layer_pattern"),
     (dict(hidden_size=30, attn_num_heads=4), "hidden_size=30 is not divisible by model.attn_num_heads"),
     (dict(gdn_num_v_heads=3), "gdn_num_v_heads"),

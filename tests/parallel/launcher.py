@@ -39,7 +39,8 @@ def run_workers(fn, world_size: int, *args, timeout: float = None) -> list:
                 errors.append(f"rank {rank}:\n{error}")
             collected[rank] = value
     except queue.Empty:
-        errors.append(f"timed out after {timeout}s waiting for workers (deadlock?); got ranks {sorted(collected)}")
+        errors.append(f"timed out after {timeout}s waiting for workers (deadlock?); got ranks "
+                      f"{sorted(collected)}")
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -53,7 +54,8 @@ def run_workers(fn, world_size: int, *args, timeout: float = None) -> list:
 def _worker(fn, rank, world_size, port, results, args, hang_report_s=None):
     torch.set_num_threads(1)
     # A deadlocked worker prints where it is stuck before the parent gives up on it.
-    faulthandler.dump_traceback_later(hang_report_s or float(os.environ.get("GDN_TEST_HANG_REPORT_S", 280)), exit=False)
+    faulthandler.dump_traceback_later(hang_report_s or float(os.environ.get("GDN_TEST_HANG_REPORT_S", 280)),
+                                      exit=False)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)

@@ -112,7 +112,8 @@ def sends_own_their_bytes(rank, world, algorithm):
     model.train_step([make_batch([0, 5, 30, 48], seed=7)])
     assert sends, f"rank {rank}: no sends recorded"
     pinned = [(size, storage) for size, storage in sends if size != storage]
-    assert not pinned, f"rank {rank} {algorithm}: sends holding larger storages (bytes, storage bytes) {pinned}"
+    assert not pinned, \
+        f"rank {rank} {algorithm}: sends holding larger storages (bytes, storage bytes) {pinned}"
     return True
 
 

@@ -92,8 +92,9 @@ def triton_cases(rank, world, algorithm):
 
 
 def check_gate_activation_case(rank, world, cu, algorithm):
-    """Logits and raw q, k in, activated and normalised inside the kernels: the gradients of A_log and dt_bias are each rank's
-    share, summed over the ranks here (as the CP gradient reduction does in training)."""
+    """Logits and raw q, k in, activated and normalised inside the kernels: the gradients of A_log and
+    dt_bias are each rank's share, summed over the ranks here (as the CP gradient reduction does in
+    training)."""
     total = cu[-1]
     q, k, v, _, _, _ = gdn_inputs(1, total, 1, 2, 8, 6, dtype=torch.float32, seed=70, requires_grad=False)
     q, k = q * 2.0, k * 3.0

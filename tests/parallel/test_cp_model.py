@@ -70,7 +70,8 @@ def test_cp_hybrid_lm_matches_single_process(world):
 
 def test_shard_batch_validates_the_split():
     batch = make_batch([0, TOTAL], 0)
-    with pytest.raises(ValueError, match="train.seq_len \\* train.batch_size = 48 is not divisible by parallel.cp=5"):
+    with pytest.raises(ValueError, match="train.seq_len \\* train.batch_size = 48 is not divisible by "
+                                         "parallel.cp=5"):
         shard_batch(batch, 0, 5)
     with pytest.raises(ValueError, match="shorter than one token"):
         shard_batch(make_batch([0, TOTAL], 0), 0, 96)

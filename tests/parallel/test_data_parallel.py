@@ -169,7 +169,8 @@ def clip_cases(rank, world):
     for p, g in zip(ref, reps + shards):
         p.grad = g.clone()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
-    mine = [nn.Parameter(torch.zeros(3, 4, dtype=torch.float64)), nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))]
+    mine = [nn.Parameter(torch.zeros(3, 4, dtype=torch.float64)),
+            nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))]
     mine[0].grad = reps[stage].clone()
     mine[1].grad = shards[stage][:, 3 * t:3 * t + 3].clone()
     mine[1]._tp_shard_dim = 1
@@ -189,7 +190,8 @@ def clip_cases(rank, world):
     module.layers["3"].weight._tp_shard_dim = 0
     module = apply_data_parallel(module, dims)
     module(cws[d][2 * t:2 * t + 2], cbs[d]).backward()
-    ref = [nn.Parameter(torch.zeros(4, 6, dtype=torch.float64)), nn.Parameter(torch.zeros(6, dtype=torch.float64))]
+    ref = [nn.Parameter(torch.zeros(4, 6, dtype=torch.float64)),
+           nn.Parameter(torch.zeros(6, dtype=torch.float64))]
     ref[0].grad, ref[1].grad = cws[0] + cws[1], cbs[0] + cbs[1]
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 0.5)
     weight, bias = module.layers["3"].weight, module.layers["3"].bias

@@ -15,7 +15,8 @@ def _timeout(group) -> timedelta:
 
 def mesh_timeouts(rank, world):
     dims = build_mesh(ParallelConfig(dp=2, cp=2), "cpu", timedelta(seconds=7))
-    return {**{dim: _timeout(dims.group(dim)) for dim in MESH_DIMS}, "dp_cp": _timeout(dims.dp_cp_mesh.get_group())}
+    return {**{dim: _timeout(dims.group(dim)) for dim in MESH_DIMS},
+            "dp_cp": _timeout(dims.dp_cp_mesh.get_group())}
 
 
 def test_the_mesh_groups_take_the_run_timeout():

@@ -136,7 +136,8 @@ def collective_cases(rank, world):
     piece = sequence_shard(x, group)
     assert torch.equal(piece, x.detach()[:, 4 * rank:4 * rank + 4])
     (piece * (rank + 1)).sum().backward()
-    assert torch.equal(x.grad[:, :4], torch.ones(2, 4, 3)) and torch.equal(x.grad[:, 4:], 2 * torch.ones(2, 4, 3))
+    assert (torch.equal(x.grad[:, :4], torch.ones(2, 4, 3))
+            and torch.equal(x.grad[:, 4:], 2 * torch.ones(2, 4, 3)))
     return True
 
 

@@ -330,7 +330,8 @@ def test_init_distributed_joins_a_group(monkeypatch):
         dist.destroy_process_group()
 
 
-TORCHRUN_RESTARTS = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+TORCHRUN_RESTARTS = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+                     "TORCHELASTIC_MAX_RESTARTS")
 
 
 def test_a_rank_whose_peer_never_comes_fails_within_the_timeout_saying_what_to_do(monkeypatch):

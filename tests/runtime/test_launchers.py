@@ -199,8 +199,8 @@ WARMUP_NOTE = "warmup shortened"   # TINY's --steps 3 shortens tiny-cpu's warmup
 
 def test_torchrun_script_trains_with_torchrun_options_before_a_double_dash():
     environ = cpu_environ(NPROC_PER_NODE="2")
-    out = subprocess.run(["bash", "launch/torchrun.sh", "--max-restarts=1", "--", *TINY], cwd=REPO, env=environ,
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    out = subprocess.run(["bash", "launch/torchrun.sh", "--max-restarts=1", "--", *TINY], cwd=REPO,
+                         env=environ, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-4000:]      # the trainer would refuse --max-restarts
     losses = losses_of(out.stdout)
     assert losses[-1] < losses[0]
@@ -230,7 +230,8 @@ def test_processes_of_deepspeeds_launcher_share_the_cores_and_note_once(tmp_path
     processes = [subprocess.Popen([sys.executable, str(probe)], cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                                           LOCAL_SIZE="2", CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1"))
+                                           LOCAL_SIZE="2", CROSS_RANK="0", CROSS_SIZE="1",
+                                           MASTER_ADDR="127.0.0.1"))
                  for rank in (0, 1)]
     outputs = [process.communicate(timeout=RUN_TIMEOUT_S) for process in processes]
     assert all(process.returncode == 0 for process in processes), outputs

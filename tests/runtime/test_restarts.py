@@ -77,7 +77,8 @@ def test_a_killed_rank_restarts_and_the_job_resumes_from_the_newest_checkpoint(t
     tail = log[-6000:]
     assert status == 0, tail
     assert "Traceback" not in log, tail  # the survivor that saw its peer die said so in one line
-    assert int(newest.name.split("_")[1]) < STEPS, f"killed after the last checkpoint ({newest}): nothing to test"
+    assert int(newest.name.split("_")[1]) < STEPS, \
+        f"killed after the last checkpoint ({newest}): nothing to test"
     # One failure (the kill) and one restart: no restart lost to the killed group's addresses.
     assert len(re.findall(r"failed \(exitcode", log)) == 1, tail
     assert "Connection refused" not in log, tail
@@ -86,7 +87,8 @@ def test_a_killed_rank_restarts_and_the_job_resumes_from_the_newest_checkpoint(t
     assert resumes[1:] == [f"{newest} | step {newest.name.split('_')[1]}"], tail
     assert re.search(rf"^done  \| {STEPS - int(newest.name.split('_')[1])} steps ", log, re.M), tail
     assert complete_checkpoints(str(out_dir))[-1].name == f"step_{STEPS}"
-    print(f"killed rank {KILLED_RANK} at {killed_at:.1f} s; resumed {newest.name}; job ended after {wall:.1f} s")
+    print(f"killed rank {KILLED_RANK} at {killed_at:.1f} s; resumed {newest.name}; job ended after "
+          f"{wall:.1f} s")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL")
@@ -102,10 +104,11 @@ def test_a_rank_whose_peer_is_killed_ends_in_one_line_with_status_5(tmp_path):
     for rank in (0, 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         ranks.append(subprocess.Popen(
-            [sys.executable, "-m", "gdn_parallel.train", *TRAIN, "--set", f"train.out_dir={tmp_path / 'run'}"],
+            [sys.executable, "-m", "gdn_parallel.train", *TRAIN, "--set",
+             f"train.out_dir={tmp_path / 'run'}"],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         first = ""
@@ -122,6 +125,7 @@ def test_a_rank_whose_peer_is_killed_ends_in_one_line_with_status_5(tmp_path):
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert re.match(r"gdn-train: error: rank 0: a collective with the other ranks failed \(a peer ended, or did "
-                    r"not answer within train.collective_timeout_s=20 s: .+\)\. A peer process ended", lines[0]), err
+    assert re.match(r"gdn-train: error: rank 0: a collective with the other ranks failed \(a peer ended, or "
+                    r"did not answer within train.collective_timeout_s=20 s: .+\)\. A peer process ended",
+                    lines[0]), err
     assert "--resume auto" in lines[0], err

@@ -89,7 +89,8 @@ def test_a_silent_peer_fails_the_collective_after_the_configured_timeout(tmp_pat
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                    PYTHONPATH=str(REPO))
-        for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+                     "TORCHELASTIC_MAX_RESTARTS"):
             env.pop(name, None)
         ranks.append(subprocess.Popen([sys.executable, str(script), "3"], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -102,8 +103,8 @@ def test_a_silent_peer_fails_the_collective_after_the_configured_timeout(tmp_pat
     waited = float(re.search(r"all_reduce ended after ([0-9.]+) s", output).group(1))
     assert ranks[0].returncode == 1 and 2.5 <= waited < 20, output
     assert "Timed out" in output, output
-    assert ("PeerLost: rank 0: a collective with the other ranks failed (a peer ended, or did not answer within "
-            "train.collective_timeout_s=3 s: ") in output, output
+    assert ("PeerLost: rank 0: a collective with the other ranks failed (a peer ended, or did not answer "
+            "within train.collective_timeout_s=3 s: ") in output, output
     assert "Start the job again with --resume auto" in output, output
 
 

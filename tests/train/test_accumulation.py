@@ -19,7 +19,8 @@ from tests.seeds import generator, seed_torch
 
 def _documents(count, seed):
     gen = generator(seed)
-    return [torch.randint(0, 64, (int(n),), generator=gen) for n in torch.randint(5, 40, (count,), generator=gen)]
+    return [torch.randint(0, 64, (int(n),), generator=gen)
+            for n in torch.randint(5, 40, (count,), generator=gen)]
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ def refused(capsys, *argv: str) -> str:
 def test_a_corpus_smaller_than_one_step(tmp_path, capsys):
     (tmp_path / "tiny.txt").write_text("abc")
     err = refused(capsys, "--set", f"data.source={tmp_path / 'tiny.txt'}", "--set", "data.val_fraction=0")
-    assert "has 3 training tokens; one optimizer step takes parallel.dp x train.batch_size x train.seq_len = " \
-           "1 x 2 x 64 = 128" in err, err
+    assert "has 3 training tokens; one optimizer step takes parallel.dp x train.batch_size x " \
+           "train.seq_len = 1 x 2 x 64 = 128" in err, err
 
 
 def test_a_sequence_longer_than_the_corpus_is_refused_before_memory_grows(capsys):
@@ -43,8 +43,8 @@ def test_a_new_run_into_an_out_dir_holding_another_run(tmp_path, capsys):
     run(["--steps", "2", *BASE, "--set", f"train.out_dir={tmp_path}"])
     capsys.readouterr()
     err = refused(capsys, "--set", f"train.out_dir={tmp_path}")
-    assert "already holds checkpoints (newest step_2); continue that run with --resume auto, or start over in " \
-           "a new train.out_dir" in err, err
+    assert "already holds checkpoints (newest step_2); continue that run with --resume auto, or start " \
+           "over in a new train.out_dir" in err, err
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")

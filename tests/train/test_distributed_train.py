@@ -33,7 +33,8 @@ def single_process_run():
     return summary["losses"], summary["val_loss"]
 
 
-@pytest.mark.parametrize("overrides", [["parallel.cp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
+@pytest.mark.parametrize("overrides", [["parallel.cp=2"],
+                                       ["parallel.tp=2", "parallel.sequence_parallel=true"],
                                        ["parallel.pp=2", "train.microbatch_size=1"]])
 def test_torchrun_layout_reproduces_single_process_losses(overrides, single_process_run):
     """Training and validation (evaluated under the layout itself) give the single-process numbers."""

@@ -137,11 +137,13 @@ def passkey_run(tmp_path_factory):
 def test_eval_writes_the_grid_by_rank_and_position(passkey_run, capsys):
     pytest.importorskip("matplotlib")
     out = passkey_run / "eval"
-    assert main(["eval", str(passkey_run / "run"), "--lengths", "160,320", "--depths", "0,0.5,1", "--samples", "2",
-                 "--batch", "4", "--cp", "2", "--out", str(out)]) == 0
+    assert main(["eval", str(passkey_run / "run"), "--lengths", "160,320", "--depths", "0,0.5,1",
+                 "--samples", "2", "--batch", "4", "--cp", "2", "--out", str(out)]) == 0
     result = json.loads((out / "niah.json").read_text())
-    assert [(c["length"], c["depth"]) for c in result["cells"]] == [(n, d) for n in (160, 320) for d in (0, 0.5, 1)]
-    assert all(c["samples"] == 2 and 0.0 <= c["accuracy"] <= c["digit_accuracy"] <= 1.0 for c in result["cells"])
+    assert [(c["length"], c["depth"]) for c in result["cells"]] == \
+        [(n, d) for n in (160, 320) for d in (0, 0.5, 1)]
+    assert all(c["samples"] == 2 and 0.0 <= c["accuracy"] <= c["digit_accuracy"] <= 1.0
+               for c in result["cells"])
     assert sum(v["samples"] for v in result["accuracy_by_needle_rank"].values()) == 12
     assert set(result["loss_by_position"]) <= {"0-64", "64-256", "256-320"} and result["loss_by_position"]
     assert (out / "niah.png").read_bytes()[:8] == PNG_MAGIC

@@ -30,7 +30,8 @@ def parameters_after(out_dir):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     path = complete_checkpoints(str(out_dir))[-1]
     dcp_to_torch_save(str(path), str(out_dir / "final.pt"))
-    return {k: v for k, v in torch.load(out_dir / "final.pt", weights_only=False).items() if k.startswith("model.")}
+    return {k: v for k, v in torch.load(out_dir / "final.pt", weights_only=False).items()
+            if k.startswith("model.")}
 
 
 def test_a_non_finite_step_is_skipped_and_changes_nothing(tmp_path, monkeypatch):
@@ -38,7 +39,8 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(tmp_path, monkeypatch)
     run(["--steps", "2", *BASE, "--set", f"train.out_dir={clean}"])
     poisoned = tmp_path / "poisoned"
     poison_steps(monkeypatch, {2})  # a third step that is skipped: the weights stay those after two
-    summary = run(["--steps", "3", *BASE, "--set", f"train.out_dir={poisoned}", "--set", "train.warmup_steps=1"])
+    summary = run(["--steps", "3", *BASE, "--set", f"train.out_dir={poisoned}", "--set",
+                   "train.warmup_steps=1"])
     assert summary["steps"] == 3
     records = [json.loads(line) for line in (poisoned / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("skipped_step") and r["step"] == 2 for r in records)
@@ -52,10 +54,12 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, 
     """The stop is one line on stderr and exit status 3, no traceback."""
     poison_steps(monkeypatch, {1, 2})
     with pytest.raises(SystemExit) as stop:
-        run(["--steps", "5", *BASE, "--set", f"train.out_dir={tmp_path}", "--set", "train.max_skipped_steps=2"])
+        run(["--steps", "5", *BASE, "--set", f"train.out_dir={tmp_path}", "--set",
+             "train.max_skipped_steps=2"])
     assert stop.value.code == 3
     err = capsys.readouterr().err
-    assert err.startswith("gdn-train: error: stopped: 2 steps in a row had a non-finite loss") and err.count("\n") == 1
+    assert (err.startswith("gdn-train: error: stopped: 2 steps in a row had a non-finite loss")
+            and err.count("\n") == 1)
 
 
 def test_asynchronous_saves_are_published_and_old_ones_pruned(tmp_path):

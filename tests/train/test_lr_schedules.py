@@ -30,14 +30,18 @@ def test_cosine_warms_up_then_falls_along_a_half_cosine_to_min_lr():
     assert lr_at(0, TrainConfig(lr=2.0, warmup_steps=0, steps=1)) == 2.0           # no room to decay
 
 
-@pytest.mark.parametrize("shape, scale", [("1-sqrt", lambda p: 1 - math.sqrt(p)), ("linear", lambda p: 1 - p)])
+@pytest.mark.parametrize("shape, scale", [("1-sqrt", lambda p: 1 - math.sqrt(p)),
+                                          ("linear", lambda p: 1 - p)])
 def test_wsd_holds_lr_then_decays_over_the_last_decay_fraction(shape, scale):
     train = schedule("wsd", decay_fraction=0.2, decay_shape=shape)
     assert train.decay_steps == 20
-    assert lr_at(9, train) == 1.0 and lr_at(10, train) == 1.0 and lr_at(79, train) == 1.0   # warmup end, stable
-    assert lr_at(80, train) == pytest.approx(0.1 + 0.9 * scale(1 / 20))                    # the decay's first step
+    # warmup end, stable
+    assert lr_at(9, train) == 1.0 and lr_at(10, train) == 1.0 and lr_at(79, train) == 1.0
+    # the decay's first step
+    assert lr_at(80, train) == pytest.approx(0.1 + 0.9 * scale(1 / 20))
     assert lr_at(89, train) == pytest.approx(0.1 + 0.9 * scale(0.5))
-    assert lr_at(99, train) == pytest.approx(0.1)                                          # min_lr at the last step
+    # min_lr at the last step
+    assert lr_at(99, train) == pytest.approx(0.1)
     assert lr_at(120, train) == pytest.approx(0.1)                                         # and after it
 
 
@@ -72,7 +76,8 @@ def saved_config(train: TrainConfig) -> dict:
 
 def test_a_changed_schedule_is_refused_naming_each_field_and_the_override():
     with pytest.raises(ConfigError) as info:
-        check_resumed_schedule(saved_config(schedule("cosine")), schedule("cosine", steps=120, lr=0.5), 40, print)
+        check_resumed_schedule(saved_config(schedule("cosine")), schedule("cosine", steps=120, lr=0.5),
+                               40, print)
     message = str(info.value)
     assert "train.lr: saved 1.0, new 0.5, train.steps: saved 100, new 120" in message, message
     assert "--set train.schedule_override=true" in message and "\n" not in message
@@ -83,13 +88,15 @@ def test_a_changed_schedule_is_refused_naming_each_field_and_the_override():
 def test_only_the_settings_a_schedule_reads_are_compared():
     said = []
     # constant reads neither train.steps nor min_lr_ratio: extending a constant run keeps its LR
-    check_resumed_schedule(saved_config(schedule("constant")), schedule("constant", steps=300, min_lr_ratio=0.5),
+    check_resumed_schedule(saved_config(schedule("constant")),
+                           schedule("constant", steps=300, min_lr_ratio=0.5), 50, said.append)
+    check_resumed_schedule(saved_config(schedule("cosine")), schedule("cosine", decay_fraction=0.5),
                            50, said.append)
-    check_resumed_schedule(saved_config(schedule("cosine")), schedule("cosine", decay_fraction=0.5), 50, said.append)
     assert said == []
     with pytest.raises(ConfigError, match=r"train.lr_schedule: saved 'cosine', new 'wsd', "
                                           r"train.decay_fraction: saved 0.2, new 0.3\)"):
-        check_resumed_schedule(saved_config(schedule("cosine")), schedule("wsd", decay_fraction=0.3), 50, print)
+        check_resumed_schedule(saved_config(schedule("cosine")), schedule("wsd", decay_fraction=0.3),
+                               50, print)
 
 
 def test_a_checkpoint_from_before_lr_schedule_ran_cosine_and_one_at_step_0_applied_none():
@@ -127,7 +134,8 @@ def test_extending_a_run_with_steps_is_refused_then_the_override_follows_the_new
     assert summary["start_step"] == 3 and summary["steps"] == 5
     saved, new = (TrainConfig(lr=3e-3, warmup_steps=1, steps=steps) for steps in (3, 5))  # tiny-cpu's lr
     lrs = lr_by_step(out_dir)
-    assert [lrs[step] for step in range(5)] == [lr_at(s, saved) for s in range(3)] + [lr_at(s, new) for s in (3, 4)]
+    assert [lrs[step] for step in range(5)] == \
+        [lr_at(s, saved) for s in range(3)] + [lr_at(s, new) for s in (3, 4)]
     out = capsys.readouterr().out
-    assert (f"resume | train.schedule_override: the new LR schedule from step 3 (train.steps: saved 3, new 5); "
-            f"LR at step 3: {lr_at(3, saved):.3e} saved, {lr_at(3, new):.3e} new") in out, out
+    assert (f"resume | train.schedule_override: the new LR schedule from step 3 (train.steps: saved 3, "
+            f"new 5); LR at step 3: {lr_at(3, saved):.3e} saved, {lr_at(3, new):.3e} new") in out, out

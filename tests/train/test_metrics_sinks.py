@@ -39,10 +39,11 @@ def test_every_documented_field_has_a_grouped_tag(field):
 
 
 def test_the_issues_tags_and_nested_fields():
-    assert {key: GROUPED_TAGS[key] for key in ("loss", "lr", "grad_norm", "val_loss", "val_bpb", "tokens_per_s",
-                                               "mfu", "mem_mib")} == {
+    assert {key: GROUPED_TAGS[key] for key in ("loss", "lr", "grad_norm", "val_loss", "val_bpb",
+                                               "tokens_per_s", "mfu", "mem_mib")} == {
         "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "val_loss": "eval/loss",
-        "val_bpb": "eval/bpb", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "mem_mib": "perf/mem_mib"}
+        "val_bpb": "eval/bpb", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+        "mem_mib": "perf/mem_mib"}
     record = {"step": 3, "val_loss_by_position": {"0-64": 2.0}, "val_bits_per_token": 4.1, "novel": 1}
     assert list(grouped(record)) == [("eval/loss_by_position/0-64", 2.0), ("eval/bits_per_token", 4.1),
                                      ("other/novel", 1)]   # unknown fields keep a tag: nothing dropped
@@ -63,7 +64,8 @@ def test_wandb_mode_disabled_in_the_environment_needs_no_wandb_package(monkeypat
     """The config asks for wandb only when a run will be made: WANDB_MODE=disabled makes none."""
     import importlib.util
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
     log = LogConfig(wandb_project="p")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert not log.wandb_enabled
@@ -101,8 +103,8 @@ def wandb_home(tmp_path, monkeypatch):
 def test_wandb_run_takes_its_names_and_directory_from_the_environment(tmp_path, wandb_home):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    for variable, value in {"WANDB_PROJECT": "env-project", "WANDB_NAME": "env-name", "WANDB_ENTITY": "env-team",
-                            "WANDB_DIR": str(elsewhere)}.items():
+    for variable, value in {"WANDB_PROJECT": "env-project", "WANDB_NAME": "env-name",
+                            "WANDB_ENTITY": "env-team", "WANDB_DIR": str(elsewhere)}.items():
         wandb_home.setenv(variable, value)
     out = tmp_path / "run"
     out.mkdir()

@@ -1,7 +1,7 @@
 """gdn-train --print-config: the resolved config (--config, --set, --steps applied) as YAML with every
-field's help from gdn_parallel/config.py, exit 0, and the output reads back as the same config."""
+field's help from its declaration in gdn_parallel/config.py, exit 0, and the output reads back as the
+same config (tests/train/test_config_help.py: the help is the metadata the errors read too)."""
 import dataclasses
-import re
 import subprocess
 import sys
 
@@ -10,10 +10,10 @@ import yaml
 
 from gdn_parallel.config import Config
 from gdn_parallel.train.__main__ import build_parser, load_config, main
+from tests.train.test_config_help import printed_help
 
 ARGS = ["--config", "configs/tiny-cpu.yaml", "--steps", "7", "--set", "model.n_layers=2",
         "--set", "train.lr=1e-3", "--set", "data.text_suffixes=.txt,.md"]
-FIELD_LINE = re.compile(r"^  (\w+): (.*?)  # (.+)$")
 
 
 @pytest.fixture(scope="module")
@@ -34,33 +34,31 @@ def test_prints_the_resolved_config_and_reads_back_as_it(printed, tmp_path):
 
 
 def test_every_field_has_its_help(printed):
-    helped = {}
-    section = None
-    for line in printed.splitlines():
-        if re.fullmatch(r"\w+:", line):
-            section = line[:-1]
-        match = FIELD_LINE.match(line)
-        if match:
-            helped[f"{section}.{match.group(1)}"] = match.group(3)
+    helped = printed_help(printed)
     config = Config()
     every_field = {f"{s.name}.{f.name}" for s in dataclasses.fields(config)
                    for f in dataclasses.fields(getattr(config, s.name))}
     assert set(helped) == every_field
-    # from a range rule, an end-of-line comment (+ its rule's requirement), a choice list, the type
-    assert helped["model.vocab_size"] == "must be >= 1: the number of token ids (256 for bytes)"
-    assert helped["checkpoint.interval"] == "every N steps; 0: only the last step (which is always saved); must be >= 0"
-    assert helped["model.gdn_impl"] == "one of auto | naive | chunk | triton"
-    assert helped["model.gdn_use_gate"] == "bool"
+    # the help, then the range rule's requirement or the choices
+    assert helped["model.vocab_size"] == "the number of token ids (256 for bytes); must be >= 1"
+    assert helped["checkpoint.interval"] == ("optimizer steps between checkpoints (0: only the last step, "
+                                             "which is always saved); must be >= 0")
+    assert helped["model.gdn_impl"].endswith("; one of auto | naive | chunk | triton")
+    assert helped["model.gdn_use_gate"] == "gate the GDN output (a SiLU gate from the layer input)"
 
 
-def test_comments_above_a_field_and_section_docstrings_are_kept(printed):
+def test_a_long_help_goes_above_its_field_and_section_docstrings_are_kept(printed):
     lines = printed.splitlines()
-    pattern = lines.index("  layer_pattern: GS  # str")
+    assert "  vocab_size: 256  # the number of token ids (256 for bytes); must be >= 1" in lines
+    pattern = lines.index("  layer_pattern: GS")
     assert lines[pattern - 2:pattern] == [
-        "  # One symbol per layer (G = GatedDeltaNet, S = sliding-window attention, A = full attention);",
-        "  # a shorter pattern is tiled when it divides n_layers."]
+        "  # one symbol per layer: G (Gated DeltaNet), S (sliding-window attention), A (full causal "
+        "attention); a",
+        "  # shorter pattern is tiled when its length divides model.n_layers"]
+    assert max(map(len, lines[1:])) <= 110   # the header line repeats the command line
     parallel = lines.index("parallel:")
-    assert lines[parallel - 1] == "# The device mesh pp x dp x cp x tp (innermost last) and how each dimension is applied."
+    assert lines[parallel - 1] == \
+        "# The device mesh pp x dp x cp x tp (innermost last) and how each dimension is applied."
     assert not any(line.startswith("# ModelConfig(") for line in lines)   # no generated dataclass docstring
 
 

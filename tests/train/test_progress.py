@@ -11,7 +11,7 @@ import torch
 
 from gdn_parallel.config import ConfigError, LogConfig, TrainConfig
 from gdn_parallel.train.metrics_sinks import read_metrics, sinks_from_config
-from gdn_parallel.train.progress import ProgressLogger
+from gdn_parallel.train.progress import ProgressLogger, ProgressSettings
 
 CPU = torch.device("cpu")
 # The line format tests/train/test_train.py checks.
@@ -42,7 +42,8 @@ def run_steps(logger, steps):
 
 def test_every_record_reaches_every_sink(tmp_path):
     fake = FakeSink()
-    logger = ProgressLogger(6, 2, 64, CPU, out_dir=str(tmp_path), print_fn=lambda _: None, sinks=[fake])
+    logger = ProgressLogger(ProgressSettings(6, 2, 64, out_dir=str(tmp_path)), CPU, lambda _: None,
+                            sinks=[fake])
     run_steps(logger, range(4))
     logger.eval(3, 2.5, {"0-64": 2.7, "64-256": 2.4})
     logger.record({"step": 4, "skipped_step": True, "reason": "loss nan, grad_norm nan"})
@@ -65,7 +66,8 @@ def test_failing_backend_is_dropped_and_metrics_jsonl_goes_on(tmp_path):
             raise OSError("disk full")
 
     printed = []
-    logger = ProgressLogger(4, 1, 64, CPU, out_dir=str(tmp_path), print_fn=printed.append, sinks=[Broken()])
+    logger = ProgressLogger(ProgressSettings(4, 1, 64, out_dir=str(tmp_path)), CPU, printed.append,
+                            sinks=[Broken()])
     run_steps(logger, range(4))
     logger.close()
     assert sum("Broken failed (OSError: disk full)" in line for line in printed) == 1
@@ -73,7 +75,7 @@ def test_failing_backend_is_dropped_and_metrics_jsonl_goes_on(tmp_path):
 
 
 def test_resume_appends_and_times_only_its_own_steps(tmp_path):
-    first = ProgressLogger(12, 5, 64, CPU, out_dir=str(tmp_path), print_fn=lambda _: None)
+    first = ProgressLogger(ProgressSettings(12, 5, 64, out_dir=str(tmp_path)), CPU, lambda _: None)
     run_steps(first, range(8))        # lines at 0, 5; steps 6..7 are lost with the process
     first.record({"step": 5, "checkpoint": "step_6"})
     first.close()
@@ -87,8 +89,8 @@ def test_resume_appends_and_times_only_its_own_steps(tmp_path):
             super().write(record)
 
     printed = []
-    resumed = ProgressLogger(12, 5, 64, CPU, out_dir=str(tmp_path), print_fn=printed.append,
-                             first_step=6, append=True, sinks=[SlowSink()])
+    resumed = ProgressLogger(ProgressSettings(12, 5, 64, out_dir=str(tmp_path), first_step=6, append=True),
+                             CPU, printed.append, sinks=[SlowSink()])
     run_steps(resumed, range(6, 12))
     resumed.close({"final_loss": 1.0})
     assert [line.split()[1] for line in printed] == ["6/12", "10/12", "11/12"]  # the first step has a line
@@ -109,8 +111,9 @@ def test_resume_appends_and_times_only_its_own_steps(tmp_path):
 
 def test_plain_lines_and_no_bar_on_a_pipe():
     printed, pipe = [], io.StringIO()
-    logger = ProgressLogger(200, 10, 1024, CPU, flops_per_token=6e6, peak_flops=1e12,
-                            print_fn=printed.append, log=LogConfig(progress_bar="auto"), bar_stream=pipe)
+    logger = ProgressLogger(ProgressSettings(200, 10, 1024, flops_per_token=6e6, peak_flops=1e12,
+                                             log=LogConfig(progress_bar="auto")),
+                            CPU, printed.append, bar_stream=pipe)
     run_steps(logger, range(11))
     logger.eval(10, 3.0, val_bpb=1.25)   # bits per byte: from the data's byte counts, not the loss
     logger.close()
@@ -122,8 +125,8 @@ def test_plain_lines_and_no_bar_on_a_pipe():
 
 def test_bar_on_a_terminal_redraws_in_place():
     printed, terminal = [], Terminal()
-    logger = ProgressLogger(20, 10, 64, CPU, print_fn=printed.append, log=LogConfig(progress_bar="auto"),
-                            bar_stream=terminal)
+    logger = ProgressLogger(ProgressSettings(20, 10, 64, log=LogConfig(progress_bar="auto")), CPU,
+                            printed.append, bar_stream=terminal)
     run_steps(logger, range(20))
     drawn = terminal.getvalue()
     assert "\n" not in drawn and drawn.count("\r[") >= 3           # one line, overwritten
@@ -135,13 +138,13 @@ def test_bar_on_a_terminal_redraws_in_place():
 
 def test_bar_forced_on_a_pipe_and_off_on_a_terminal():
     pipe = io.StringIO()
-    forced = ProgressLogger(4, 2, 64, CPU, print_fn=lambda _: None, log=LogConfig(progress_bar="on"),
-                            bar_stream=pipe)
+    forced = ProgressLogger(ProgressSettings(4, 2, 64, log=LogConfig(progress_bar="on")), CPU,
+                            lambda _: None, bar_stream=pipe)
     run_steps(forced, range(2))
     pipe.close()                                                   # the reader went away
     run_steps(forced, range(2, 4))
     forced.close()
-    off = ProgressLogger(4, 2, 64, CPU, print_fn=lambda _: None, log=LogConfig(progress_bar="off"),
+    off = ProgressLogger(ProgressSettings(4, 2, 64, log=LogConfig(progress_bar="off")), CPU, lambda _: None,
                          bar_stream=Terminal())
     assert forced.bar is not None and forced.bar.stream is None and off.bar is None
 
@@ -168,8 +171,9 @@ def test_missing_backend_is_a_config_error(monkeypatch, tmp_path):
 def test_tensorboard_writes_event_files(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    logger = ProgressLogger(4, 2, 64, CPU, out_dir=str(tmp_path), print_fn=lambda _: None,
-                            log=LogConfig(tensorboard=True, progress_bar="off"))
+    logger = ProgressLogger(ProgressSettings(4, 2, 64, out_dir=str(tmp_path),
+                                             log=LogConfig(tensorboard=True, progress_bar="off")),
+                            CPU, lambda _: None)
     run_steps(logger, range(4))
     logger.eval(3, 2.5, {"0-64": 2.7})
     logger.record({"step": 3, "checkpoint": "run/checkpoints/step_4"})
@@ -197,9 +201,10 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     wandb.teardown()  # W&B reads its environment once per process setup: a fresh one, left to no one
     log = LogConfig(wandb_project="gdn-test", progress_bar="off")      # offline by default
     for first_step, steps in ((0, range(3)), (2, range(2, 4))):
-        logger = ProgressLogger(4, 1, 64, CPU, out_dir=str(tmp_path), print_fn=lambda _: None, log=log,
-                                run_config={"train": {"steps": 4}}, first_step=first_step,
-                                append=first_step > 0)
+        logger = ProgressLogger(ProgressSettings(4, 1, 64, out_dir=str(tmp_path), log=log,
+                                                 run_config={"train": {"steps": 4}}, first_step=first_step,
+                                                 append=first_step > 0),
+                                CPU, lambda _: None)
         run_steps(logger, steps)
         logger.eval(steps[-1], 2.5, {"0-64": 2.7})
         logger.close({"final_loss": 4.7})

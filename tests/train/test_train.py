@@ -14,7 +14,7 @@ from gdn_parallel.config import Config, ModelConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.train.__main__ import build_parser, load_config, main, resolve_config_path
 from gdn_parallel.train.optim import param_groups
-from gdn_parallel.train.progress import ProgressLogger, format_duration
+from gdn_parallel.train.progress import ProgressLogger, ProgressSettings, format_duration
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^step \d+/\d+ \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d\d \| grad_norm \d+\.\d\d \| "
@@ -83,8 +83,8 @@ def test_no_weight_decay_on_vectors_and_marked_params():
 
 def test_progress_line_format():
     printed = []
-    logger = ProgressLogger(200, 10, 1024, torch.device("cpu"), flops_per_token=6e6, peak_flops=1e12,
-                            print_fn=printed.append)
+    logger = ProgressLogger(ProgressSettings(200, 10, 1024, flops_per_token=6e6, peak_flops=1e12),
+                            torch.device("cpu"), printed.append)
     for step in range(11):
         logger.step(step, torch.tensor(4.0 - step * 0.1), 3e-3, torch.tensor(1.234))
     # the printed loss is the mean over the steps since the previous line (steps 1..10 here)
@@ -118,7 +118,8 @@ def test_run_training_returns_summary():
 
 def test_loss_png_when_matplotlib_is_available(tmp_path):
     pytest.importorskip("matplotlib")
-    logger = ProgressLogger(5, 2, 64, torch.device("cpu"), out_dir=str(tmp_path), print_fn=lambda _: None)
+    logger = ProgressLogger(ProgressSettings(5, 2, 64, out_dir=str(tmp_path)), torch.device("cpu"),
+                            lambda _: None)
     for step in range(5):
         logger.step(step, torch.tensor(5.0 - step), 1e-3, torch.tensor(1.0))
     logger.eval(4, 2.0)
@@ -132,9 +133,9 @@ def test_validation_rows_are_on_the_training_device():
     on CUDA, so the first evaluation failed in the embedding lookup. The meta device stands in for a
     GPU here: every tensor of every row must be on the device given."""
     from gdn_parallel.data import load_dataset
-    from gdn_parallel.train.trainer import _validation_steps
+    from gdn_parallel.train.run_setup import validation_steps
     config = load_config(build_parser().parse_args(["--set", "train.eval_rows=8"]))
-    steps = _validation_steps(load_dataset(config.data), config, 0, torch.device("meta"), lambda line: None)
+    steps = validation_steps(load_dataset(config.data), config, 0, torch.device("meta"), lambda line: None)
     rows = [row for step in steps for row in step]
     assert len(steps) == 2 and rows  # 8 rows in batches of train.batch_size=4
     assert all(t.device.type == "meta" for row in rows

@@ -90,7 +90,8 @@ def test_fp32_criterion():
     cpu, cuda = Criteria.for_run("fp32", "cpu"), Criteria.for_run("fp32", "cuda")
     assert cpu.bound("grads") == 1e-5 and cuda.bound("grads") == 1e-4 and cpu.bound("loss") == 1e-5
     assert cpu.failures({q: 9e-6 for q in QUANTITIES}) == []
-    assert cpu.failures({"grads": 2e-5, "loss": float("nan")}) == ["loss nan > 1.0e-05", "grads 2.00e-05 > 1.0e-05"]
+    assert cpu.failures({"grads": 2e-5, "loss": float("nan")}) == \
+        ["loss nan > 1.0e-05", "grads 2.00e-05 > 1.0e-05"]
     assert Criteria.for_run("fp32", "cpu", tolerance=1e-3).bound("params") == 1e-3
 
 
@@ -133,8 +134,10 @@ def test_documents_cross_shard_and_row_boundaries():
 
 
 def test_verification_batch_is_fixed_and_split_over_replicas():
-    a = verification_batch(step=1, micro_batches=4, rows=2, seq_len=32, vocab_size=64, device=torch.device("cpu"))
-    b = verification_batch(step=1, micro_batches=4, rows=2, seq_len=32, vocab_size=64, device=torch.device("cpu"))
+    a = verification_batch(step=1, micro_batches=4, rows=2, seq_len=32, vocab_size=64,
+                           device=torch.device("cpu"))
+    b = verification_batch(step=1, micro_batches=4, rows=2, seq_len=32, vocab_size=64,
+                           device=torch.device("cpu"))
     assert len(a) == 4 and all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
     assert all(mb.input_ids.shape == (1, 64) and int(mb.input_ids.max()) < 64 for mb in a)
     assert [mb is a[i] for i, mb in zip((1, 3), replica_share(a, 1, 2))] == [True, True]

@@ -29,7 +29,8 @@ def table_rows(stdout):
     rows = {}
     for line in stdout.splitlines():
         name = line.split(" ", 1)[0]
-        if name in TINY_4 and re.search(r"(pass|FAIL|skipped:)", line) and not line.startswith(("run", "pass", "fail")):
+        if (name in TINY_4 and re.search(r"(pass|FAIL|skipped:)", line)
+                and not line.startswith(("run", "pass", "fail"))):
             rows[name] = line
     return rows
 
@@ -69,13 +70,14 @@ def test_a_wrong_checkpoint_fails_the_run_and_is_named(tmp_path):
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
     assert re.search(r"^FAILED dp2: checkpoint: save raised on rank \d: RuntimeError: .*embeddings\.weight",
                      out.stdout, re.M), out.stdout
-    assert re.search(r"^FAILED pp2: resume_same: parameter \S+ on rank 1 differs from the uninterrupted step 2",
-                     out.stdout, re.M), out.stdout
+    assert re.search(r"^FAILED pp2: resume_same: parameter \S+ on rank 1 differs from the uninterrupted "
+                     r"step 2", out.stdout, re.M), out.stdout
     assert re.search(r"^cp2 .* exact  pass$", out.stdout, re.M), out.stdout
     results = json.loads((tmp_path / "v.json").read_text())
     assert [l["status"] for l in results["layouts"]] == ["fail", "fail", "pass"]
     dp2, pp2, _ = results["layouts"]
-    assert dp2["resume_ref"] is None and dp2["resume_same"]["first_difference"] == "not run (save raised on rank 0)"
+    assert (dp2["resume_ref"] is None
+            and dp2["resume_same"]["first_difference"] == "not run (save raised on rank 0)")
     # the spoiled moment is the resumed run's alone: the uninterrupted steps and the reference pass
     assert pp2["errors"]["params"] < 1e-5 and pp2["resume_ref"]["error"] < 1e-5
     assert pp2["resume_same"]["exact"] is False
@@ -90,7 +92,8 @@ def test_a_wrong_layout_fails_the_run_and_is_named(tmp_path):
                            "--json", str(tmp_path / "v.json")])
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
     rows = table_rows(out.stdout)
-    assert rows["pp2,cp2"].endswith("pass") and rows["dp2,tp2"].endswith("FAIL") and rows["cp4"].endswith("FAIL")
+    assert (rows["pp2,cp2"].endswith("pass") and rows["dp2,tp2"].endswith("FAIL")
+            and rows["cp4"].endswith("FAIL"))
     assert re.search(r"^FAILED dp2,tp2: .*grads \S+ > 1\.0e-05", out.stdout, re.M), out.stdout
     assert re.search(r"^FAILED cp4: .*params \S+ > 1\.0e-05", out.stdout, re.M), out.stdout
     results = json.loads((tmp_path / "v.json").read_text())
@@ -142,5 +145,6 @@ def test_one_process_resumes_its_checkpoint_exactly(tmp_path, capsys):
     assert main(["--checkpoint", "--steps", "3", "--seq-len", "64", "--json", str(tmp_path / "v.json")]) == 0
     assert re.search(r"^pp1,dp1,cp1,tp1 .* exact  pass$", capsys.readouterr().out, re.M)
     layout = json.loads((tmp_path / "v.json").read_text())["layouts"][0]
-    assert len(layout["per_step"]) == 3 and layout["resume_same"]["exact"] and layout["resume_ref"]["error"] < 1e-5
+    assert (len(layout["per_step"]) == 3 and layout["resume_same"]["exact"]
+            and layout["resume_ref"]["error"] < 1e-5)
     assert os.listdir(tmp_path) == ["v.json"]

@@ -46,7 +46,8 @@ def test_base_layouts_put_single_dimensions_first():
 
 
 @pytest.mark.parametrize("n, model, expected", [
-    (2, TINY, ["tp2", "pp2", "dp2", "cp2", "cp2,allgather", "dp2,ddp", "pp2,interleaved", "tp2,sp", "cp2,ac=full"]),
+    (2, TINY, ["tp2", "pp2", "dp2", "cp2", "cp2,allgather", "dp2,ddp", "pp2,interleaved", "tp2,sp",
+               "cp2,ac=full"]),
     (4, TINY, ["tp4", "pp4", "dp4", "cp4", "pp2,tp2", "dp2,tp2", "cp2,tp2", "pp2,dp2", "pp2,cp2", "dp2,cp2",
                "pp2,cp2,allgather", "pp2,dp2,ddp", "pp2,cp2,interleaved", "cp2,tp2,sp", "pp2,cp2,ac=full"]),
 ])

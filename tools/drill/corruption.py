@@ -34,8 +34,8 @@ def base_runs(workspace: Workspace) -> dict[str, Path]:
     bases = {}
     for name, procs, layout in (("1 process", 1, []), ("dp=2", 2, ["parallel.dp=2"])):
         out_dir = workspace.directory("base") / "run"
-        argv = train_argv(workspace, out_dir, CORRUPT_STEPS, [*layout, f"checkpoint.interval={CORRUPT_INTERVAL}"],
-                          procs=procs)
+        argv = train_argv(workspace, out_dir, CORRUPT_STEPS,
+                          [*layout, f"checkpoint.interval={CORRUPT_INTERVAL}"], procs=procs)
         finished = run(workspace, argv, out_dir.parent / "base")
         if finished.status != 0 or damage_of(out_dir / "checkpoints" / "step_4") is not None:
             raise RuntimeError(f"the base run failed (status {finished.status}): {shell_line(argv)}\n"
@@ -64,7 +64,8 @@ def judge_auto(finished: Finished, out_dir: Path, none_verify: bool, damaged_nam
         return "hung", False, silent, lost
     if finished.status == 0 and report.loaded is not None:
         named = any(name in passed.get(str(damaged), "") for name in damaged_names)
-        ok = (not none_verify and str(damaged) in passed and named and str(report.loaded) == str(older) and final_ok)
+        ok = (not none_verify and str(damaged) in passed and named and str(report.loaded) == str(older)
+              and final_ok)
         return (f"passed over{'' if named else ' (the file unnamed)'}, resumed {report.loaded.name}",
                 ok and not silent, silent, lost)
     if refused:
@@ -75,8 +76,8 @@ def judge_auto(finished: Finished, out_dir: Path, none_verify: bool, damaged_nam
         return (f"refused: {refusal[len(ERROR_PREFIX):][:160]}"
                 + (f" (after {extra} more stderr line(s))" if extra else ""),
                 none_verify and names_it and not extra, silent, lost)
-    return (f"status {finished.status}: {(finished.stderr.strip().splitlines() or [''])[-1][:160]}", False, silent,
-            lost)
+    return (f"status {finished.status}: {(finished.stderr.strip().splitlines() or [''])[-1][:160]}", False,
+            silent, lost)
 
 
 def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, Path], seed: int) -> dict:
@@ -96,7 +97,8 @@ def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, 
         return out_dir, done
 
     result = {"kind": kind, "index": index, "base": base_name, "none_verify": none_verify,
-              "reproduce": f"python3 tools/fault_drill.py corrupt --seed {seed} --kinds {kind} --trial {index}"}
+              "reproduce": f"python3 tools/fault_drill.py corrupt --seed {seed} --kinds {kind} "
+                           f"--trial {index}"}
     out_dir, done = damaged_copy("run")
     result["damage"] = done
     damaged = out_dir / "checkpoints" / "step_4"
@@ -111,15 +113,19 @@ def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, 
     explicit_silent = explicit.status == 0 or resume_report(explicit).loaded is not None
 
     auto = run(workspace, train_argv(workspace, out_dir, RESUME_STEPS, resume="auto"), trial_dir / "auto")
-    auto_outcome, auto_ok, auto_silent, lost = judge_auto(auto, out_dir, none_verify, damaged_names, RESUME_STEPS)
+    auto_outcome, auto_ok, auto_silent, lost = judge_auto(auto, out_dir, none_verify, damaged_names,
+                                                          RESUME_STEPS)
     raw = raw_tracebacks(explicit) + raw_tracebacks(auto)
 
     same_steps: dict | None = None
     if index == 0:   # the finished run's own command: train.steps = the damaged checkpoint's step
         again_dir, _ = damaged_copy("same_steps")
-        again = run(workspace, train_argv(workspace, again_dir, CORRUPT_STEPS, resume="auto"), trial_dir / "same")
-        outcome, ok, silent, again_lost = judge_auto(again, again_dir, none_verify, damaged_names, CORRUPT_STEPS)
-        same_steps = {"outcome": outcome, "as_expected": ok, "silent": silent, "lost": again_lost, **again.record()}
+        again = run(workspace, train_argv(workspace, again_dir, CORRUPT_STEPS, resume="auto"),
+                    trial_dir / "same")
+        outcome, ok, silent, again_lost = judge_auto(again, again_dir, none_verify, damaged_names,
+                                                     CORRUPT_STEPS)
+        same_steps = {"outcome": outcome, "as_expected": ok, "silent": silent, "lost": again_lost,
+                      **again.record()}
         auto_silent, lost = auto_silent or silent, lost or again_lost
         raw += raw_tracebacks(again)
     result.update(
@@ -134,14 +140,17 @@ def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, 
 
 
 def _say(trial: dict) -> None:
-    print(f"  {trial['kind']:18s} {trial['index']:2d} | {trial['base']:9s} | {trial['damage']['newest']} | explicit "
+    print(f"  {trial['kind']:18s} {trial['index']:2d} | {trial['base']:9s} | "
+          f"{trial['damage']['newest']} | explicit "
           f"{'ok' if trial['explicit']['as_expected'] else 'UNEXPECTED'} | auto {trial['auto']['outcome']}"
           + (" (ok)" if trial["auto"]["as_expected"] else " UNEXPECTED")
-          + (f" | same steps: {trial['same_steps']['outcome']}" + (" (ok)" if trial["same_steps"]["as_expected"]
-                                                                   else " UNEXPECTED") if trial["same_steps"] else "")
+          + (f" | same steps: {trial['same_steps']['outcome']}"
+             + (" (ok)" if trial["same_steps"]["as_expected"] else " UNEXPECTED")
+             if trial["same_steps"] else "")
           + (" | LOST" if trial["lost"] else "") + (" | SILENT" if trial["silent_corrupt_resume"] else "")
           + (" | CODE RAN" if trial["code_executed"] else "")
-          + (f" | {len(trial['raw_tracebacks'])} raw traceback(s)" if trial["raw_tracebacks"] else ""), flush=True)
+          + (f" | {len(trial['raw_tracebacks'])} raw traceback(s)" if trial["raw_tracebacks"] else ""),
+          flush=True)
 
 
 def _counts(trials) -> dict:
@@ -151,7 +160,8 @@ def _counts(trials) -> dict:
         "explicit_not_one_line": sum(not t["explicit"]["one_line"] for t in trials),
         "explicit_not_naming_the_file": sum(not t["explicit"]["names_the_file"] for t in trials),
         "auto_as_expected": sum(t["auto"]["as_expected"] for t in trials),
-        "same_steps_as_expected": sum(bool(t["same_steps"] and t["same_steps"]["as_expected"]) for t in trials),
+        "same_steps_as_expected": sum(bool(t["same_steps"] and t["same_steps"]["as_expected"])
+                                      for t in trials),
         "same_steps_trials": sum(bool(t["same_steps"]) for t in trials),
         "silent_corrupt_resumes": sum(t["silent_corrupt_resume"] for t in trials),
         "code_executed": sum(t["code_executed"] for t in trials),
@@ -173,12 +183,14 @@ def run_part(workspace: Workspace, args) -> dict:
     for kind in kinds:
         mine = [t for t in trials if t["kind"] == kind]
         by_kind[kind] = {**_counts(mine),
-                         "auto_outcomes": sorted({re.sub(r"step_\d+|/\S+", "…", t["auto"]["outcome"]) for t in mine}),
+                         "auto_outcomes": sorted({re.sub(r"step_\d+|/\S+", "…", t["auto"]["outcome"])
+                                                  for t in mine}),
                          "same_steps": [t["same_steps"]["outcome"] for t in mine if t["same_steps"]]}
     tally = {**_counts(trials), "commands": sum(2 + bool(t["same_steps"]) for t in trials)}
-    line = (f"corrupt | trials {tally['trials']} ({len(kinds)} kinds) | lost {tally['lost']} | --resume <ckpt> "
-            f"refused as expected {tally['explicit_refused_as_expected']} | --resume auto as expected "
-            f"{tally['auto_as_expected']} | silent corrupt resumes {tally['silent_corrupt_resumes']} | code executed "
-            f"{tally['code_executed']} | raw tracebacks {tally['raw_traceback_trials']} | same-steps resume as "
-            f"expected {tally['same_steps_as_expected']}/{tally['same_steps_trials']}")
+    line = (f"corrupt | trials {tally['trials']} ({len(kinds)} kinds) | lost {tally['lost']} | "
+            f"--resume <ckpt> refused as expected {tally['explicit_refused_as_expected']} | "
+            f"--resume auto as expected {tally['auto_as_expected']} | silent corrupt resumes "
+            f"{tally['silent_corrupt_resumes']} | code executed {tally['code_executed']} | raw tracebacks "
+            f"{tally['raw_traceback_trials']} | same-steps resume as expected "
+            f"{tally['same_steps_as_expected']}/{tally['same_steps_trials']}")
     return {"tally": tally, "tally_line": line, "by_kind": by_kind, "trials": trials}

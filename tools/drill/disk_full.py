@@ -60,7 +60,8 @@ def disk_full_trial(workspace: Workspace, index: int, case: tuple[int, float, bo
     mount = workspace.root / f"disk{index}"
     out_dir = mount / "run"
     workspace.mount_tmpfs(mount, size)
-    result = {"index": index, "tmpfs_bytes": size, "checkpoints_expected_to_fit": fit, "async_save": async_save,
+    result = {"index": index, "tmpfs_bytes": size,
+              "checkpoints_expected_to_fit": fit, "async_save": async_save,
               "reproduce": f"python3 tools/fault_drill.py disk-full --seed {seed} --trial {index}"}
     try:
         argv = train_argv(workspace, out_dir, DISK_STEPS,
@@ -101,7 +102,8 @@ def disk_full_trial(workspace: Workspace, index: int, case: tuple[int, float, bo
         })
         raw = raw_tracebacks(full) + raw_tracebacks(resumed)
         result.update(resume=resumed.record(), resumed_from=str(report.loaded) if report.loaded else None,
-                      final=final_detail, checks=checks, failed_checks=[k for k, ok in checks.items() if not ok],
+                      final=final_detail, checks=checks,
+                      failed_checks=[k for k, ok in checks.items() if not ok],
                       raw_tracebacks=raw, lost=not (checks["resume status 0"] and final_ok
                                                      and checks["resumed the newest"]))
     finally:
@@ -118,8 +120,9 @@ def run_part(workspace: Workspace, args) -> dict:
     for index in indices:
         trial = disk_full_trial(workspace, index, DISK_CASES[index], sizes, args.seed)
         trials.append(trial)
-        print(f"  disk {index} | tmpfs {trial['tmpfs_bytes'] / 2**20:.1f} MiB | save step_{trial['failed_save']} "
-              f"failed | {trial['refusal'][:150]} | resumed {trial['resumed_from']} | "
+        print(f"  disk {index} | tmpfs {trial['tmpfs_bytes'] / 2**20:.1f} MiB | save "
+              f"step_{trial['failed_save']} failed | {trial['refusal'][:150]} | "
+              f"resumed {trial['resumed_from']} | "
               + ("all checks pass" if not trial["failed_checks"] else f"FAILED: {trial['failed_checks']}"),
               flush=True)
     tally = {"runs": len(trials), "checkpoint_bytes": sizes[0],

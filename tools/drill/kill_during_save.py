@@ -137,11 +137,13 @@ def kill_trial(workspace: Workspace, plan: KillPlan, reference: dict, reproduce:
     argv = train_argv(workspace, out_dir, KILL_STEPS, plan.overrides(), procs=plan.procs)
     partial = out_dir / "checkpoints" / f"step_{plan.target_step}.partial"
     delay_s = plan.delay_fraction * reference["longest_save_s"]
-    result = {"index": plan.index, "plan": dict(plan.__dict__), "delay_s": round(delay_s, 4), "reproduce": reproduce}
+    result = {"index": plan.index, "plan": dict(plan.__dict__), "delay_s": round(delay_s, 4),
+              "reproduce": reproduce}
     running = Running(workspace, argv, trial_dir / "killed")
     seen_at = running.wait_for(partial.is_dir, RUN_LIMIT_S)
     if seen_at is None:
-        result.update(outcome="missed: the run ended before the save began", killed_run=running.finish().record())
+        result.update(outcome="missed: the run ended before the save began",
+                      killed_run=running.finish().record())
         workspace.discard(trial_dir)
         return result
     time.sleep(max(0.0, seen_at + delay_s - time.monotonic()))
@@ -208,8 +210,10 @@ def _say(plan: KillPlan, trial: dict) -> None:
           f"step_{plan.target_step} +{trial['delay_s'] * 1000:.0f} ms | {trial['outcome']}"
           + (f" from {trial.get('resumed_from')}" if trial.get("resumed_from") else "")
           + (f" | {'; '.join(trial['problems'])}" if trial.get("problems") else "")
-          + (" | survivor: " + "; ".join(f"{who} status {s['status']}, {'one line' if s['one_line'] else s['stderr']}"
-                                         for who, s in trial["survivors"].items()) if trial.get("survivors") else "")
+          + (" | survivor: "
+             + "; ".join(f"{who} status {s['status']}, {'one line' if s['one_line'] else s['stderr']}"
+                         for who, s in trial["survivors"].items())
+             if trial.get("survivors") else "")
           + (f" | {len(trial['raw_tracebacks'])} raw traceback(s)" if trial.get("raw_tracebacks") else ""),
           flush=True)
 
@@ -249,10 +253,11 @@ def run_part(workspace: Workspace, args) -> dict:
         "survivor_not_one_line": sum(not t["survivors_ok"] for t in with_survivor),
         "survivor_statuses": sorted(str(s["status"]) for t in with_survivor for s in t["survivors"].values()),
     }
-    line = (f"kill-during-save | runs {tally['runs']} ({tally['runs_1proc']} x 1 process, {tally['runs_2proc']} x 2) "
-            f"| killed mid-save {tally['killed_mid_save']} | lost {tally['lost']} | raw tracebacks "
-            f"{tally['raw_traceback_runs']} | silent corrupt resumes {tally['silent_corrupt_resumes']} | "
-            f"differ from uninterrupted {tally['not_same_as_uninterrupted']} | survivor of a killed worker not in "
+    line = (f"kill-during-save | runs {tally['runs']} ({tally['runs_1proc']} x 1 process, "
+            f"{tally['runs_2proc']} x 2) | killed mid-save {tally['killed_mid_save']} | lost {tally['lost']} "
+            f"| raw tracebacks {tally['raw_traceback_runs']} | silent corrupt resumes "
+            f"{tally['silent_corrupt_resumes']} | differ from uninterrupted "
+            f"{tally['not_same_as_uninterrupted']} | survivor of a killed worker not in "
             f"one line {tally['survivor_not_one_line']}/{tally['worker_kills']} (statuses "
             f"{', '.join(tally['survivor_statuses']) or '-'}) | missed {tally['missed']}")
     return {"tally": tally, "tally_line": line, "references": {str(k): v for k, v in references.items()},

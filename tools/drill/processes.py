@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ("model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.warmup_steps=1",
         "train.log_every=1", "train.eval_rows=2", "train.lr_schedule=constant")
 RUN_LIMIT_S = 300        # any one command; a run past it counts as hung
-CORPUS_BYTES = 2_000_000  # the drill's corpus: the first stdlib modules; a start takes ~7 s less than with all 31 MB
+# the drill's corpus: the first stdlib modules; a start takes ~7 s less than with all 31 MB
+CORPUS_BYTES = 2_000_000
 
 
 class Workspace:
@@ -214,7 +215,8 @@ def shell_line(argv: Sequence[str]) -> str:
 def _child_env() -> dict[str, str]:
     # A drill started inside a launcher must not hand its rendezvous to the jobs it starts.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHELASTIC_", "MASTER_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+           if not k.startswith(("TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     return env
 

@@ -48,8 +48,8 @@ def tracebacks(finished: Finished, killed_on_purpose: bool) -> list[TracebackSee
             elif open_block.get(who) and line.strip() and not line[0].isspace():
                 open_block[who] = False
                 seen.append(TracebackSeen(who, line.strip()))
-        seen += [TracebackSeen(who, "(output cut off inside the traceback)") for who, is_open in open_block.items()
-                 if is_open]
+        seen += [TracebackSeen(who, "(output cut off inside the traceback)")
+                 for who, is_open in open_block.items() if is_open]
     for item in seen:
         if (finished.torchrun and killed_on_purpose and item.who == "launcher"
                 and item.exception.startswith(AGENT_REPORTS)):
@@ -67,7 +67,8 @@ def survivors_said(finished: Finished, ranks: list[int], restart: str | None = N
     restart torchrun makes next, when `restart` is given), and its exit status from torchrun's summary
     (None when torchrun reported none: the job restarted, or the rank ended with status 0)."""
     statuses = {int(rank): int(code) for rank, code in re.findall(
-        r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n){0,3}?\s*exitcode\s*:\s*(-?\d+)", finished.stderr + finished.stdout)}
+        r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n){0,3}?\s*exitcode\s*:\s*(-?\d+)",
+        finished.stderr + finished.stdout)}
     said = {}
     for rank in ranks:
         lines = [line for who, line in attributed(finished.stderr) if who == f"rank {rank}" and line.strip()]

@@ -59,8 +59,8 @@ def restart_trial(workspace: Workspace, index: int, seed: int) -> dict:
     recovered = finished.status == 0 and final_ok and resumed_ok
     seen = tracebacks(finished, killed_on_purpose=True)
     # The peer of the killed rank, before the restart: one line that names the restart torchrun makes next.
-    survivors = survivors_said(finished, [1 - victim_rank], restart="torchrun now restarts every rank (restart 1 of "
-                                                                    "--max-restarts=2)")
+    survivors = survivors_said(finished, [1 - victim_rank],
+                               restart="torchrun now restarts every rank (restart 1 of --max-restarts=2)")
     result.update(
         outcome="hung" if finished.hung else ("recovered" if recovered else "not recovered"),
         newest_at_kill=str(newest_at_kill), resumed_from=str(report.loaded) if report.loaded else None,
@@ -96,9 +96,9 @@ def run_part(workspace: Workspace, args) -> dict:
              "survivor_not_one_line": sum(not t["survivor_one_line"] for t in counted),
              "collective_timeout_s": 20,
              "wall_s": [t["job"]["wall_s"] for t in counted]}
-    line = (f"restarts | jobs {tally['jobs']} | recovered {tally['recovered']} | hung {tally['hung']} | lost a "
-            f"restart {tally['lost_a_restart']} | raw tracebacks {tally['raw_traceback_jobs']} | survivor not in one "
-            f"line {tally['survivor_not_one_line']}")
+    line = (f"restarts | jobs {tally['jobs']} | recovered {tally['recovered']} | hung {tally['hung']} | "
+            f"lost a restart {tally['lost_a_restart']} | raw tracebacks {tally['raw_traceback_jobs']} | "
+            f"survivor not in one line {tally['survivor_not_one_line']}")
     return {"tally": tally, "tally_line": line, "trials": trials}
 
 

@@ -26,7 +26,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (docs/design.md §2).
     """
     if cp is None:
-        return row_attention(q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale, impl=impl)
+        return row_attention(q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale,
+                             impl=impl)
     check_cp_call(q, k, v, causal, window)
     _check_plan(cp, cu_seqlens, q)
     return cp_attention(q, k, v, window=window, scale=scale, impl=impl, cp=cp)

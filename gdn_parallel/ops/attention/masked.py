@@ -2,7 +2,8 @@
 
 One mask rule covers every case. Query i may attend to key j iff
 
-    q_doc[i] == k_doc[j]  and  0 <= q_index[i] - k_index[j]  and  (window is None or q_index[i] - k_index[j] < window)
+    q_doc[i] == k_doc[j]  and  0 <= q_index[i] - k_index[j]
+                          and  (window is None or q_index[i] - k_index[j] < window)
 
 with global token indices, so a query sees `window` keys including itself (flash-attn convention).
 `masked_attention` takes the indices explicitly because under context parallelism the queries are
@@ -11,7 +12,8 @@ the local shard while the keys are the halo from previous ranks followed by the 
 
 Two implementations with the same numbers: "sdpa" (dense boolean mask; runs anywhere, autograd
 everywhere) and "flex" (FlexAttention with a block mask built from per-block bounds, block_mask.py; compiled
-on CUDA so masked-out blocks are skipped; on CPU it runs the unfused eager path and has no backward). "auto" picks flex on CUDA.
+on CUDA so masked-out blocks are skipped; on CPU it runs the unfused eager path and has no backward).
+"auto" picks flex on CUDA.
 """
 from __future__ import annotations
 
@@ -47,17 +49,20 @@ def _check_qkv(q, k, v):
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k has shape {tuple(k.shape)}, expected [{B}, Tk, HKV, {D}] for q {tuple(q.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"v has shape {tuple(v.shape)}, expected [{B}, {k.shape[1]}, {k.shape[2]}, Dv] for k {tuple(k.shape)}")
+        raise ValueError(f"v has shape {tuple(v.shape)}, expected [{B}, {k.shape[1]}, {k.shape[2]}, Dv] "
+                         f"for k {tuple(k.shape)}")
     HKV = k.shape[2]
     if HKV < 1 or H % HKV != 0:
-        raise ValueError(f"q has {H} heads, not a multiple of the {HKV} heads of k/v (GQA needs H % HKV == 0)")
+        raise ValueError(f"q has {H} heads, not a multiple of the {HKV} heads of k/v "
+                         f"(GQA needs H % HKV == 0)")
 
 
 def _check_window(window):
     if window is None:
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be None or an int >= 1 (keys seen per query, itself included), got {window!r}")
+        raise ValueError(f"window must be None or an int >= 1 (keys seen per query, itself included), "
+                         f"got {window!r}")
 
 
 def _check_index(name: str, t, length: int, device) -> torch.Tensor:
@@ -94,7 +99,8 @@ def _queries_without_keys(q_index, k_index, q_doc, k_doc, window) -> torch.Tenso
         return ~(found & _allowed(q_index, k_index[jc], q_doc, k_doc[jc], window))
     # Unordered keys: check the dense mask in slices of query rows.
     parts = [~_allowed(q_index[s:s + _CHECK_ROWS, None], k_index[None], q_doc[s:s + _CHECK_ROWS, None],
-                       k_doc[None], window).any(-1) if Tk else torch.ones_like(q_index[s:s + _CHECK_ROWS], dtype=torch.bool)
+                       k_doc[None], window).any(-1)
+             if Tk else torch.ones_like(q_index[s:s + _CHECK_ROWS], dtype=torch.bool)
              for s in range(0, q_index.shape[0], _CHECK_ROWS)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=q_index.device)
 
@@ -166,9 +172,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_ind
              else None)
     if blind is not None and bool(blind.any()):
         first = int(blind.nonzero()[0, 0])
-        raise ValueError(f"query {first} (q_index {int(q_index[first])}, q_doc {int(q_doc[first])}) sees no key "
-                         f"under window={window}: k_index/k_doc must include its own token or earlier tokens "
-                         f"of its document")
+        raise ValueError(f"query {first} (q_index {int(q_index[first])}, q_doc {int(q_doc[first])}) sees "
+                         f"no key under window={window}: k_index/k_doc must include its own token or "
+                         f"earlier tokens of its document")
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     if impl == "auto":
         impl = "flex" if q.device.type == "cuda" else "sdpa"

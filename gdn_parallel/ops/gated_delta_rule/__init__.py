@@ -8,7 +8,7 @@ from gdn_kernels.chunk_layout import build_layout
 
 from ...comm import CPContext
 from ...config import CP_ALGORITHMS, GDN_IMPLS, MAX_HEAD_DIM
-from ..triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
+from ..triton_dispatch import auto_uses_triton, check_triton_input, imported_kernel
 from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_factors, chunk_gated_delta_rule
 from .cp import cp_gated_delta_rule
@@ -23,7 +23,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (or float64); one fused kernel on
     CUDA."""
     if auto_uses_triton(x, "norms"):
-        return kernel_module("norms").triton_l2_normalize(x, eps)
+        return imported_kernel("norms").triton_l2_normalize(x, eps)
     dtype = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dtype)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
@@ -54,15 +54,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None,
     check_gate_args(decay_params, beta_activation, v.shape[2] if v.dim() == 4 else 0)
     B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size,
                                       g_is_decay=decay_params is None)
-    if cp is None:
-        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
-        num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        if initial_state is not None and initial_state.shape[0] != num_seqs:
-            raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
-                             f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'})")
-    elif B != 1:
-        raise ValueError(f"context parallelism takes one packed row: q has batch {B}; flatten the "
-                         f"batch into [1, total] and describe it with the global cu_seqlens")
+    cu_seqlens = _check_sequences(cu_seqlens, initial_state, B, T, cp)
     scale = K ** -0.5 if scale is None else scale
     impl = _resolve_impl(impl, q)
     # The kernels apply the activations and the q/k L2 norm in their first launch; else PyTorch does.
@@ -85,11 +77,27 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None,
     if impl == "naive":
         o, final = _naive_per_document(q, k, v, g, beta, scale, initial_state, lengths)
     else:
-        flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        q_f, k_f, v_f, g_f, beta_f = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
         layout = build_layout(lengths, chunk_size, v.device)
-        o, final = chunk_gated_delta_rule(*flat, scale=scale, layout=layout, initial_state=initial_state)
+        o, final = chunk_gated_delta_rule(q_f, k_f, v_f, g_f, beta_f, scale=scale, layout=layout,
+                                          initial_state=initial_state)
         o = o.reshape(B, T, HV, V)
     return o, (final.to(_state_dtype(v)) if output_final_state else None)
+
+
+def _check_sequences(cu_seqlens, initial_state, batch: int, tokens: int, cp: CPContext | None):
+    """cu_seqlens checked (one state per sequence) without CP; under CP one packed row, no cu_seqlens."""
+    if cp is not None:
+        if batch != 1:
+            raise ValueError(f"context parallelism takes one packed row: q has batch {batch}; flatten the "
+                             f"batch into [1, total] and describe it with the global cu_seqlens")
+        return cu_seqlens
+    cu_seqlens = check_cu_seqlens(cu_seqlens, batch, tokens)
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape[0] != num_seqs:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
+                         f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'})")
+    return cu_seqlens
 
 
 def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -103,7 +111,8 @@ def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state
         raise ValueError("cu_seqlens and cp exclude each other: the context-parallel plan holds the row's "
                          "global document boundaries (CPContext.build(group, cu_seqlens, local_len))")
     if q.shape[1] != cp.local_len:
-        raise ValueError(f"the local tensors have {q.shape[1]} tokens but the CP plan has {cp.local_len} per rank")
+        raise ValueError(f"the local tensors have {q.shape[1]} tokens but the CP plan has {cp.local_len} "
+                         f"per rank")
     if cp.algorithm not in CP_ALGORITHMS:
         raise ValueError(f"the CP plan's algorithm {cp.algorithm!r} is not one of {CP_ALGORITHMS}")
     if impl == "triton":
@@ -130,8 +139,9 @@ def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
     dtype = _state_dtype(v)
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     layout = build_layout(lengths, chunk_size, v.device)
-    chunked = [layout.pad(x.reshape(B * T, *x.shape[2:]).to(dtype)) for x in (k, k, v, g, beta)]
-    factors = chunk_factors(*chunked, scale=1.0)
+    q_c, k_c, v_c, g_c, beta_c = (layout.pad(x.reshape(B * T, *x.shape[2:]).to(dtype))
+                                  for x in (k, k, v, g, beta))
+    factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=1.0)
     m, s = factors.transition(slice(None))
     return fold_chunk_transitions(m, s, layout)
 

@@ -111,8 +111,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, layout: ChunkLayout,
     """
     dtype = torch.promote_types(v.dtype, torch.float32)
     HV, K, V = v.shape[1], k.shape[-1], v.shape[-1]
-    chunked = [layout.pad(x.to(dtype)) for x in (q, k, v, g, beta)]
-    factors = chunk_factors(*chunked, scale=scale)
+    q_c, k_c, v_c, g_c, beta_c = (layout.pad(x.to(dtype)) for x in (q, k, v, g, beta))
+    factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=scale)
     if initial_state is None:
         initial_state = torch.zeros(layout.num_docs, HV, K, V, dtype=dtype, device=v.device)
     chunk_states, final_state = chunk_recurrence(factors, layout, initial_state.to(dtype))

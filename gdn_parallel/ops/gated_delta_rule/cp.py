@@ -22,7 +22,7 @@ from gdn_kernels.chunk_layout import build_layout
 
 from ...comm.context import CPContext, sequence_lengths
 from ...comm.p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
-from ..triton_dispatch import kernel_module
+from ..triton_dispatch import imported_kernel
 from .chunk import chunk_factors, chunk_outputs, chunk_recurrence
 from .summary import fold_chunk_transitions
 
@@ -57,8 +57,8 @@ def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_
         gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
         return _triton(q, k, v, g, beta, scale, cp, initial_state, output_final_state, incoming, gates)
     layout = build_layout(sequence_lengths(cp.local_cu_list), chunk_size, v.device)
-    chunked = [layout.pad(x[0].to(dtype)) for x in (q, k, v, g, beta)]
-    factors = chunk_factors(*chunked, scale=scale)
+    q_c, k_c, v_c, g_c, beta_c = (layout.pad(x[0].to(dtype)) for x in (q, k, v, g, beta))
+    factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=scale)
     starting = (torch.zeros(cp.docs_starting_here, HV, K, V, dtype=dtype, device=v.device)
                 if initial_state is None else initial_state.to(dtype))
 
@@ -116,7 +116,7 @@ def _gather_and_fold(m_last, s_last, cp: CPContext):
 
 
 def _triton(q, k, v, g, beta, scale, cp: CPContext, initial_state, output_final_state, incoming, gates):
-    triton_gated_delta_rule = kernel_module("gated_delta_rule").triton_gated_delta_rule
+    triton_gated_delta_rule = imported_kernel("gated_delta_rule").triton_gated_delta_rule
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     starting = (torch.zeros(cp.docs_starting_here, HV, K, V, dtype=torch.float32, device=v.device)
                 if initial_state is None else initial_state.float())
@@ -137,7 +137,7 @@ def _triton_allgather_continuing(q, k, v, g, beta, scale, cp: CPContext, startin
     known, by linearity in that state: the first document starts from [0 | I] with values [V | 0],
     so its outputs come out as [o from a zero state | Q~] and its final state as [S_loc | M]; with
     the incoming state S_in, o = o_zero + Q~ S_in and the final state is S_loc + M S_in."""
-    triton_gated_delta_rule = kernel_module("gated_delta_rule").triton_gated_delta_rule
+    triton_gated_delta_rule = imported_kernel("gated_delta_rule").triton_gated_delta_rule
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     values = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)
     eye = torch.eye(K, device=v.device).expand(1, HV, K, K)

@@ -43,7 +43,8 @@ def check_conv_args(x, weight, bias, activation, cu_seqlens, prefix):
     if not x.is_floating_point():
         raise ValueError(f"x must be floating point, got {x.dtype}")
     B, T, D = x.shape
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != D
+            or weight.shape[1] < 1):
         raise ValueError(f"weight must be [D, W] = [{D}, W] (squeeze the [D, 1, W] nn.Conv1d weight), "
                          f"got {getattr(weight, 'shape', type(weight).__name__)}")
     if weight.dtype != x.dtype:

@@ -1,0 +1,199 @@
+"""The token mixers a layer pattern names: one `MixerKind` per symbol in `MIXERS`, the one place that
+says what a layer type is (docs/design.md, "Adding a mixer").
+
+Everything that differs between layer types reads its entry: building the module (model), its FLOPs,
+the settings that decide its weights (model/architecture.py: conversions and resume), the head counts
+tensor parallelism splits and the checks on them (`check_layers`), the residual output scaled at init,
+and how tensor parallelism slices it (`TensorParallelLayout`, data that parallel/tensor.py applies: the
+model layer cannot import the parallel layer above it).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from .attention import Attention
+from .gated_deltanet import GatedDeltaNet
+
+# Which keys a softmax-attention query sees (MixerKind.attention): formats that describe attention
+# layers by their window (fla's attn specs) map them to our symbols through it.
+FULL_ATTENTION = "full causal"
+SLIDING_WINDOW = "sliding window (model.window_size)"
+
+
+@dataclass(frozen=True)
+class GroupedKVHeads:
+    """Grouped KV heads under tp: split when `count` divides by tp; otherwise (tp % count == 0, which
+    the entry's check ensures) every rank keeps all of `projections` and computes the one head its
+    query heads read, and `count` becomes 1."""
+    projections: tuple[str, ...]
+    count: str       # the module attribute holding the KV head count
+    head_dim: str    # the module attribute holding the head size (rows per head of each projection)
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How a mixer splits over tp ranks (Megatron's: column-parallel in, row-parallel out; docs/design.md
+    §3). Names are attribute paths inside the mixer module ("q_conv1d.weight"); a path whose attribute
+    is None (an optional projection or bias) is skipped."""
+    column: tuple[str, ...] = ()                  # linears split by output rows (weight and bias, dim 0)
+    row: tuple[str, ...] = ()                     # linears split by input columns (they may have no bias)
+    split: tuple[tuple[str, int], ...] = ()       # other parameters: (path, dim) cut into tp equal slices
+    partial_grad: tuple[str, ...] = ()            # replicated parameters each rank applies to its heads only
+    heads: tuple[str, ...] = ()                   # head-count attributes divided by tp
+    grouped_kv: GroupedKVHeads | None = None
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    symbol: str                                   # its letter in model.layer_pattern
+    description: str                              # names it in messages
+    module: type[nn.Module]                       # the class `build` makes
+    build: Callable[[ModelConfig], nn.Module]
+    fields: tuple[str, ...]                       # its own ModelConfig fields (besides hidden_size, norm_eps)
+    # Forward FLOPs per token beyond its matrix parameters (those count 6 per parameter in
+    # HybridLM.flops_per_token), at a training row of seq_len tokens.
+    flops_per_token: Callable[[ModelConfig, int], float]
+    # The resolved settings that decide its weights and what it computes with them, keyed by readable
+    # field names: two configs whose architectures agree hold the same weights (model/architecture.py).
+    architecture: Callable[[ModelConfig], dict[str, object]]
+    # (config field, head count) pairs that parallel.tp must divide.
+    tp_split: Callable[[ModelConfig], list[tuple[str, int]]]
+    tensor_parallel: TensorParallelLayout
+    output_projection: str = "o_proj"             # the linear writing the residual: scaled at init
+    check: Callable[[ModelConfig, int], None] | None = None   # (config, tp): rules beyond tp_split
+    attention: str | None = None                  # softmax attention: FULL_ATTENTION or SLIDING_WINDOW
+
+
+# ---------------------------------------------------------------- gated deltanet
+def _gdn_flops(config: ModelConfig, seq_len: int) -> float:
+    """The chunk algorithm's products per token (docs/design.md §1): the UT transform, the intra-chunk
+    attention and the state read and write."""
+    C, K, V = config.gdn_chunk_size, config.gdn_head_dim, config.head_v_dim
+    return config.num_v_heads * (4 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
+
+
+def _gdn_architecture(config: ModelConfig) -> dict[str, object]:
+    return {"model.gdn_num_heads": config.gdn_num_heads, "model.gdn_num_v_heads": config.num_v_heads,
+            "model.gdn_head_dim": config.gdn_head_dim,
+            "GDN value head (gdn_head_dim * gdn_expand_v)": config.head_v_dim,
+            "model.gdn_use_gate": config.gdn_use_gate,
+            "model.gdn_allow_neg_eigval": config.gdn_allow_neg_eigval,
+            "model.conv_size": config.conv_size, "model.conv_bias": config.conv_bias}
+
+
+# q/k rows by q/k head, v/g/a/b rows by value head (a q/k head's value heads are contiguous, so
+# splitting both counts evenly keeps each group on one rank); depthwise conv channels follow their
+# projection; A_log and dt_bias by value head. o_norm's one weight is shared by all heads: each rank
+# sees its heads only.
+GDN_TENSOR_PARALLEL = TensorParallelLayout(
+    column=("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj"),
+    row=("o_proj",),
+    split=tuple((f"{conv}.{param}", 0) for conv in ("q_conv1d", "k_conv1d", "v_conv1d")
+                for param in ("weight", "bias")) + (("A_log", 0), ("dt_bias", 0)),
+    partial_grad=("o_norm.weight",),
+    heads=("num_heads", "num_v_heads"))
+
+
+# ---------------------------------------------------------------- softmax attention
+def _attention_flops(visible_keys: Callable[[ModelConfig, int], float]):
+    def flops(config: ModelConfig, seq_len: int) -> float:
+        # scores and the weighted sum of values: 2 x 2 FLOPs per visible key and channel
+        return 4 * visible_keys(config, seq_len) * config.attn_num_heads * config.attn_dim
+    return flops
+
+
+def _attention_architecture(config: ModelConfig) -> dict[str, object]:
+    return {"model.attn_num_heads": config.attn_num_heads, "model.attn_num_kv_heads": config.num_kv_heads,
+            "attention head (model.attn_head_dim)": config.attn_dim, "model.rope_theta": config.rope_theta,
+            "model.attn_qkv_bias": config.attn_qkv_bias, "model.attn_output_gate": config.attn_output_gate}
+
+
+def _check_kv_heads(config: ModelConfig, tp: int) -> None:
+    if config.num_kv_heads % tp and tp % config.num_kv_heads:
+        raise ConfigError(f"model.attn_num_kv_heads={config.num_kv_heads} and parallel.tp={tp}: one must "
+                          f"divide the other (KV heads are split, or replicated when fewer than tp)")
+
+
+ATTENTION_FIELDS = ("attn_num_heads", "attn_num_kv_heads", "attn_head_dim", "rope_theta", "attn_output_gate",
+                    "attn_qkv_bias", "attn_impl")
+# q and output-gate rows by query head; KV heads split or replicated (GroupedKVHeads).
+ATTENTION_TENSOR_PARALLEL = TensorParallelLayout(
+    column=("q_proj", "g_proj"), row=("o_proj",), heads=("num_heads",),
+    grouped_kv=GroupedKVHeads(projections=("k_proj", "v_proj"), count="num_kv_heads", head_dim="head_dim"))
+
+
+def _attention_heads(config: ModelConfig) -> list[tuple[str, int]]:
+    return [("model.attn_num_heads", config.attn_num_heads)]
+
+
+MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
+    MixerKind(
+        symbol="G", description="gated deltanet", module=GatedDeltaNet, build=GatedDeltaNet,
+        fields=("gdn_num_heads", "gdn_num_v_heads", "gdn_head_dim", "gdn_expand_v", "gdn_use_gate",
+                "gdn_allow_neg_eigval", "gdn_chunk_size", "gdn_impl", "conv_size", "conv_bias"),
+        flops_per_token=_gdn_flops, architecture=_gdn_architecture,
+        tp_split=lambda config: [("model.gdn_num_heads", config.gdn_num_heads),
+                                 ("model.gdn_num_v_heads", config.num_v_heads)],
+        tensor_parallel=GDN_TENSOR_PARALLEL),
+    MixerKind(
+        symbol="S", description="sliding-window attention", module=Attention,
+        build=lambda config: Attention(config, window=config.window_size),
+        fields=(*ATTENTION_FIELDS, "window_size"),
+        flops_per_token=_attention_flops(lambda config, seq_len: min(config.window_size, seq_len)),
+        architecture=lambda config: {**_attention_architecture(config),
+                                     "model.window_size": config.window_size},
+        tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
+        attention=SLIDING_WINDOW),
+    MixerKind(
+        symbol="A", description="full causal attention", module=Attention,
+        build=lambda config: Attention(config, window=None),
+        fields=ATTENTION_FIELDS,
+        flops_per_token=_attention_flops(lambda config, seq_len: seq_len / 2),  # keys seen, on average
+        architecture=_attention_architecture,
+        tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
+        attention=FULL_ATTENTION),
+)}
+
+
+def mixer_kinds(config: ModelConfig) -> list[MixerKind]:
+    """The kinds of the layers `config` has, in registry order (each once)."""
+    present = set(config.layer_pattern)
+    return [kind for symbol, kind in MIXERS.items() if symbol in present]
+
+
+def _registered() -> str:
+    return ", ".join(f"{kind.symbol} ({kind.description})" for kind in MIXERS.values())
+
+
+def check_layers(config: ModelConfig, tp: int = 1) -> None:
+    """The rules a layer pattern brings, for a validated ModelConfig (config.py cannot know the mixers:
+    it is below the model layer): every symbol registered, and each present mixer's head counts split
+    over `tp` with its own rules. Call it wherever a config meets the model."""
+    unknown = sorted(set(config.layer_pattern) - set(MIXERS))
+    if unknown:
+        raise ConfigError(
+            f"model.layer_pattern={config.layer_pattern!r} has unknown layer symbol(s) {unknown}; "
+            f"use {_registered()}")
+    for kind in mixer_kinds(config):
+        for name, count in kind.tp_split(config):
+            if count % tp:
+                raise ConfigError(f"{name}={count} is not divisible by parallel.tp={tp}; choose a tp that "
+                                  f"divides it or change the model")
+        if kind.check is not None:
+            kind.check(config, tp)
+
+
+def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:
+    kind = MIXERS.get(symbol)
+    if kind is None:
+        raise ConfigError(f"unknown layer symbol {symbol!r} in model.layer_pattern; use {_registered()}")
+    return kind.build(config)
+
+
+def mixer_flops_per_token(symbol: str, config: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of a `symbol` layer's mixer beyond its matrix parameters."""
+    return MIXERS[symbol].flops_per_token(config, seq_len)
