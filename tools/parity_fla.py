@@ -40,6 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gdn_parallel.config import IGNORE_INDEX, Config  # noqa: E402
 from gdn_parallel.data import TokenBatches  # noqa: E402
+from gdn_parallel.model import NO_WEIGHT_DECAY  # noqa: E402
 from gdn_parallel.train.__main__ import resolve_config_path  # noqa: E402
 from gdn_parallel.train.optim import build_optimizer  # noqa: E402
 from gdn_parallel.train.schedule import schedule_from_config  # noqa: E402
@@ -110,7 +111,7 @@ def load_side(side: str, work: Path, device) -> tuple[torch.nn.Module, Callable]
     for module in model.modules():  # the flags param_groups reads (set by fla's init, kept here explicitly)
         for name in ("A_log", "dt_bias"):
             if isinstance(getattr(module, name, None), torch.nn.Parameter):
-                getattr(module, name)._no_weight_decay = True
+                setattr(getattr(module, name), NO_WEIGHT_DECAY, True)
 
     def loss_sum(row):
         hidden = model.model(input_ids=row.input_ids, cu_seqlens=row.cu_seqlens, use_cache=False)[0]

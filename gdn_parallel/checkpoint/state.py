@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..parallel.tensor import tp_shard_dim
+
 MODEL, OPTIM = "model.", "optim."
 
 
@@ -33,7 +35,7 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layout_free(piece: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
-    dim = getattr(param, "_tp_shard_dim", None)
+    dim = tp_shard_dim(param)
     if dim is None or tp_mesh is None:
         return piece
     from torch.distributed.tensor import DTensor, Shard

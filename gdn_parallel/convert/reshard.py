@@ -28,6 +28,7 @@ from ..model import build_model, check_layers
 from ..parallel.mesh import MESH_DIMS, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
+from ..parallel.tensor import tp_shard_dim
 from ..runtime.session import is_launched, process_group
 from .dcp_io import read_tensors, resolve_checkpoint, tensor_entries
 from .errors import ConvertError
@@ -185,7 +186,7 @@ def _held_tensors(named, optimizer) -> dict[str, tuple]:
 def _expected_local(full: torch.Tensor, value: torch.Tensor, param, dims) -> torch.Tensor:
     """What this rank should hold of the single-device tensor `full`: its tensor-parallel piece
     (equal slices along `_tp_shard_dim`, model/tensor.py), then its FSDP shard of that piece."""
-    dim, tp = getattr(param, "_tp_shard_dim", None), dims.config.tp
+    dim, tp = tp_shard_dim(param), dims.config.tp
     piece = full if dim is None or tp == 1 or full.dim() == 0 else full.chunk(tp, dim)[dims.rank("tp")]
     if isinstance(value, DTensor):
         return distribute_tensor(piece.to(value.device), value.device_mesh, value.placements,

@@ -2,7 +2,7 @@
 from .architecture import architecture, architecture_differences
 from .attention import Attention
 from .build import build_model, part_names
-from .gated_deltanet import GatedDeltaNet, ShortConvolution
+from .gated_deltanet import NO_WEIGHT_DECAY, GatedDeltaNet, ShortConvolution
 from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of
 from .loss import TokenCrossEntropy
 from .mixers import (
@@ -25,4 +25,4 @@ __all__ = ["Attention", "GatedDeltaNet", "ShortConvolution", "Block", "DroppedPa
            "blocks_of", "build_model", "part_names", "architecture", "architecture_differences",
            "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_layers", "make_mixer",
            "mixer_kinds", "mixer_flops_per_token", "FULL_ATTENTION", "SLIDING_WINDOW", "TokenCrossEntropy",
-           "SwiGLU", "GatedRMSNorm", "RMSNorm", "SequenceInfo"]
+           "SwiGLU", "GatedRMSNorm", "RMSNorm", "SequenceInfo", "NO_WEIGHT_DECAY"]

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ParallelConfig
 from ..model import blocks_of
 from .mesh import ParallelDims
+from .tensor import tp_shard_dim
 
 __all__ = ["apply_data_parallel", "clip_grad_norm", "global_label_count", "hsdp_mesh"]
 
@@ -233,7 +234,7 @@ def _gradient_groups(params: list) -> tuple[dict, dict]:
                 shard_key = (mesh.mesh_dim_names, sharded)
                 meshes.setdefault(shard_key, mesh)
             g = g.to_local()
-        tp_sharded = getattr(p, "_tp_shard_dim", None) is not None
+        tp_sharded = tp_shard_dim(p) is not None
         groups.setdefault((shard_key, tp_sharded, g.device, g.dtype), []).append(g)
     return groups, meshes
 

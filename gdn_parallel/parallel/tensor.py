@@ -54,7 +54,7 @@ from .tensor_collectives import (
 )
 
 __all__ = ["apply_tensor_parallel", "reduce_tp_partial_grads", "full_tensor", "sequence_shard",
-           "TensorParallelPlan", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
+           "tp_shard_dim", "TensorParallelPlan", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
            "VocabParallelLinearCrossEntropy", "ReplicatedHeadLinear"]
 
 
@@ -193,6 +193,11 @@ def _shard_mlp(m: SwiGLU, shard: _Sharder) -> None:
     shard.row(m.down_proj)
 
 
+def tp_shard_dim(param: torch.Tensor) -> int | None:
+    """The dim along which `param` is this rank's tp slice; None for a parameter replicated over tp."""
+    return getattr(param, TP_SHARD_DIM, None)
+
+
 def _mark_shard_dim(param: nn.Parameter, dim: int) -> None:
     """Record that `param` is this rank's slice along `dim` (module docstring: parameter metadata)."""
     setattr(param, TP_SHARD_DIM, dim)
@@ -302,7 +307,7 @@ def full_tensor(t: torch.Tensor, param: nn.Parameter, tp_group) -> torch.Tensor:
     `param._tp_shard_dim` when sharded over tp (an FSDP2 DTensor is first gathered over dp).
     A collective: every tp rank must call it for the same parameter."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    dim = getattr(param, TP_SHARD_DIM, None)
+    dim = tp_shard_dim(param)
     return t.detach() if dim is None else all_gather_dim(t.detach(), tp_group, dim)
 
 

@@ -5,6 +5,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..model import NO_WEIGHT_DECAY
+
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: 1-D parameters and those marked `_no_weight_decay` get none.
@@ -16,7 +18,7 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        if param.dim() < 2 or getattr(param, "_no_weight_decay", False):
+        if param.dim() < 2 or getattr(param, NO_WEIGHT_DECAY, False):
             no_decay.append(param)
         else:
             decay.append(param)

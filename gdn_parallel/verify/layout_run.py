@@ -26,7 +26,7 @@ from ..model import build_model
 from ..parallel.mesh import ParallelDims, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
-from ..parallel.tensor import full_tensor
+from ..parallel.tensor import full_tensor, tp_shard_dim
 from .batches import replica_share
 from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointLeg, CheckpointSettings, RankCheckpoint
 from .compare import TensorDiff, scalar_error, tensor_diff
@@ -49,7 +49,7 @@ class RankMeasurement:
 def full_shape(t: torch.Tensor, param: torch.nn.Parameter, dims: ParallelDims) -> torch.Tensor:
     """A parameter or gradient at its single-device shape: FSDP2 shards gathered over dp, tensor-
     parallel slices over tp. A collective over this rank's stage: every rank of it calls it in turn."""
-    if getattr(param, "_tp_shard_dim", None) is not None:
+    if tp_shard_dim(param) is not None:
         return full_tensor(t, param, dims.group("tp"))
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import IGNORE_INDEX, ModelConfig
 from ..data.packing import PackedBatch
-from ..model import build_model
+from ..model import NO_WEIGHT_DECAY, build_model
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class OptimizerSettings:
         decay, no_decay = [], []
         for p in params:
             if p.requires_grad:
-                (no_decay if p.dim() < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+                (no_decay if p.dim() < 2 or getattr(p, NO_WEIGHT_DECAY, False) else decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
