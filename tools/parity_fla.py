@@ -6,6 +6,12 @@ trained from the same weights on the same tokens, step for step (issue 25).
     python3 tools/parity_fla.py train --dir $W --side fla  --steps 500 --warmup 20 --out fla.json \
         --check-gradients grads.json --also 30:8:fla_w8.json   # first the gradient check, then runs
     python3 tools/parity_fla.py compare ours.json fla.json --out parity.json --png parity.png
+    python3 tools/parity_fla.py spikes run1.json run2.json ...       # the early-spike summary
+
+The spike study starts runs from other initialisations: `prepare --init fla` replaces every exported
+tensor by fla-core's own initialisation of the same model (GatedDeltaNetForCausalLM(config) under
+train.seed), `--take-from-fla REGEX` only the tensors whose exported name matches (e.g.
+'conv1d.weight$'); `train --set train.FIELD=VALUE` changes one training setting of a run.
 
 `prepare` initialises the config's model once, as the trainer does (model.build.build_model with
 train.seed), writes it as a step-0 checkpoint and exports it with `gdn-convert to-hf` (fp32). Both
@@ -29,6 +35,7 @@ import argparse
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +52,7 @@ from gdn_parallel.train.__main__ import resolve_config_path  # noqa: E402
 from gdn_parallel.train.optim import build_optimizer  # noqa: E402
 from gdn_parallel.train.schedule import schedule_from_config  # noqa: E402
 
-CONFIG_COPY, INIT, HF = "config.yaml", "init", "hf"
+CONFIG_COPY, INIT, HF, INIT_SOURCE = "config.yaml", "init", "hf", "init_source.json"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -69,6 +76,14 @@ def prepare(args) -> None:
         tensors.pop("lm_head.weight", None)
     write_checkpoint(work / INIT, tensors, config, data_stream_start(config))
     to_hf(work / INIT, work / HF)
+    pattern = "." if args.init == "fla" else args.take_from_fla
+    taken = take_fla_init(work / HF, config.train.seed, pattern) if pattern else []
+    source = {"init": args.init, "take_from_fla": pattern, "tensors_from_fla": len(taken),
+              "examples": taken[:6]}
+    (work / INIT_SOURCE).write_text(json.dumps(source, indent=1))
+    if taken:
+        print(f"{len(taken)} exported tensors replaced by fla-core's own init (pattern {pattern!r}), "
+              f"e.g. {taken[:3]}")
     digest = hashlib.sha256()
     for file in sorted((work / HF).glob("*.safetensors")):
         digest.update(file.read_bytes())
@@ -76,8 +91,34 @@ def prepare(args) -> None:
           f"{work / HF} (sha256 of its weights {digest.hexdigest()[:16]})")
 
 
-def load_config(work: Path, steps: int, warmup: int, lr=None) -> Config:
-    config = Config.from_yaml(work / CONFIG_COPY, [])
+def take_fla_init(folder: Path, seed: int, pattern: str) -> list[str]:
+    """Rewrite the exported tensors whose name matches `pattern` with fla-core's own initialisation of
+    the same model (its post_init under `seed`); returns the names replaced. The rest of the step-0
+    checkpoint stays ours: `train` reads only this folder."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from gdn_parallel.convert.safetensors_io import folder_files, read_file, write_file
+    torch.manual_seed(seed)
+    fla_state = GatedDeltaNetForCausalLM(GatedDeltaNetConfig.from_pretrained(folder)).state_dict()
+    regex, taken = re.compile(pattern), []
+    for shard, names in folder_files(folder).items():
+        tensors = read_file(folder / shard)
+        chosen = [n for n in names if regex.search(n)]
+        for name in chosen:
+            if fla_state[name].shape != tensors[name].shape:
+                raise SystemExit(f"{name}: fla-core's init has shape {tuple(fla_state[name].shape)}, "
+                                 f"the export {tuple(tensors[name].shape)}")
+            tensors[name] = fla_state[name].to(tensors[name].dtype)
+        if chosen:
+            write_file(folder / shard, tensors)
+        taken += chosen
+    if not taken:
+        raise SystemExit(f"--take-from-fla {pattern!r} matches no exported tensor name")
+    return taken
+
+
+def load_config(work: Path, steps: int, warmup: int, lr=None, overrides=()) -> Config:
+    config = Config.from_yaml(work / CONFIG_COPY, list(overrides))
     train = config.train
     train.steps, train.warmup_steps = steps, warmup
     if lr is not None:
@@ -154,12 +195,12 @@ def train_side(args) -> None:
         steps, warmup, out = spec.split(":", 2)
         runs.append((int(steps), int(warmup), out))
     for steps, warmup, out in runs:
-        train_run(Path(args.dir), args.side, steps, warmup, args.lr, Path(out))
+        train_run(Path(args.dir), args.side, steps, warmup, args.lr, Path(out), args.set)
 
 
-def train_run(work: Path, side: str, steps: int, warmup: int, lr, out: Path) -> None:
+def train_run(work: Path, side: str, steps: int, warmup: int, lr, out: Path, overrides=()) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a check of the tool itself
-    config = load_config(work, steps, warmup, lr)
+    config = load_config(work, steps, warmup, lr, overrides)
     train = config.train
     guard_lifted = lift_fla_guard() if side == "fla" else False
     torch.manual_seed(train.seed)
@@ -181,6 +222,7 @@ def train_run(work: Path, side: str, steps: int, warmup: int, lr, out: Path) -> 
               "steps": train.steps, "warmup_steps": train.warmup_steps, "lr": train.lr,
               "batch": f"{train.batch_size} x {train.seq_len} in micro-batches of {train.microbatch_rows}",
               "fla_guard_lifted": guard_lifted, "param_groups": group_summary(optimizer),
+              "init": _init_source(work), "overrides": list(overrides),
               "loss": [], "grad_norm": [], "lr_at": [], "step_s": []}
     for step in range(train.steps):
         start = time.perf_counter()
@@ -212,6 +254,11 @@ def train_run(work: Path, side: str, steps: int, warmup: int, lr, out: Path) -> 
     del model, optimizer
     if cuda:
         torch.cuda.empty_cache()
+
+
+def _init_source(work: Path) -> dict:
+    path = work / INIT_SOURCE
+    return json.loads(path.read_text()) if path.is_file() else {"init": "ours"}
 
 
 def _fla_version() -> str:
@@ -306,26 +353,81 @@ def compare(args) -> int:
     return 0 if ok else 1
 
 
-def plot(ours: dict, fla: dict, n: int, png: str, title: str) -> None:
+def spikes(args) -> int:
+    """Per run: the largest rise of the loss over the step before (a spike), the steps that rose by more
+    than --rise, the largest pre-clip gradient norm after step 5, the mean loss of the last steps, and
+    how the run's step-to-step loss changes from --from-step on correlate with the first run's: runs
+    that share only the data (other lr, init or model) rise and fall together where the batches do."""
+    records = [json.loads(Path(path).read_text()) for path in args.runs]
+    changes = [_changes(r["loss"], args.from_step) for r in records]
+    rows = []
+    for path, record, change in zip(args.runs, records, changes):
+        loss, norms = record["loss"], record["grad_norm"]
+        rises = [(loss[t] - loss[t - 1], t) for t in range(1, len(loss))]
+        biggest, at = max(rises) if rises else (0.0, 0)
+        last = loss[-args.last:]
+        rows.append({"run": Path(path).stem, "side": record["side"], "steps": len(loss),
+                     "warmup": record["warmup_steps"], "lr": record["lr"],
+                     "init": record.get("init", {"init": "ours"}), "overrides": record.get("overrides", []),
+                     "largest_rise": biggest, "at_step": at,
+                     "steps_rising_more": [t for r, t in rises if r > args.rise],
+                     "max_grad_norm_after_5": max(norms[5:], default=0.0), "mean_last": sum(last) / len(last),
+                     "corr_changes_with_first": _correlation(changes[0], change)})
+    print(f"{'run':<28} {'side':<5} {'lr':>7} {'warmup':>6} {'largest rise':>13} "
+          f"{'rises>' + str(args.rise):>9} {'max gnorm':>9} {'mean last ' + str(args.last):>13} {'corr':>5}")
+    for row in rows:
+        corr = row["corr_changes_with_first"]
+        print(f"{row['run']:<28} {row['side']:<5} {row['lr']:>7.1e} {row['warmup']:>6} "
+              f"{row['largest_rise']:>8.2f} @{row['at_step']:<3} {len(row['steps_rising_more']):>9} "
+              f"{row['max_grad_norm_after_5']:>9.1f} "
+              f"{row['mean_last']:>13.3f} {'' if corr is None else f'{corr:5.2f}'}")
+    if args.out:
+        summary = {"rise": args.rise, "last": args.last, "from_step": args.from_step, "runs": rows}
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    if args.png:
+        plot_runs(records, [row["run"] for row in rows], args.png, args.title or "loss per step")
+    return 0
+
+
+def _changes(loss: list[float], start: int) -> list[float]:
+    return [loss[t] - loss[t - 1] for t in range(max(start, 1), len(loss))]
+
+
+def _correlation(a: list[float], b: list[float]) -> float | None:
+    n = min(len(a), len(b))
+    if n < 3:
+        return None
+    a, b = a[:n], b[:n]
+    mean_a, mean_b = sum(a) / n, sum(b) / n
+    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b))
+    var = math.sqrt(sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b))
+    return cov / var if var > 0 else None
+
+
+def plot_runs(records: list[dict], names: list[str], png: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    steps = range(n)
-    for record, name in ((ours, "gdn-parallel"), (fla, "fla-core")):
-        top.plot(steps, record["loss"][:n], label=name, linewidth=1)
-        bottom.plot(steps, record["grad_norm"][:n], label=name, linewidth=1)
+    for record, name in zip(records, names):
+        top.plot(record["loss"], label=name, linewidth=1)
+        bottom.plot(record["grad_norm"], label=name, linewidth=1)
     top.set_ylabel("training loss (nats)")
     bottom.set_ylabel("grad norm (before clipping)")
     bottom.set_yscale("log")
     bottom.set_xlabel("step")
     top.set_title(title)
-    top.legend()
+    top.legend(fontsize=7)
     fig.tight_layout()
     partial = Path(png).with_suffix(".partial.png")
     fig.savefig(partial, dpi=110)
     partial.replace(png)
     plt.close(fig)
+
+
+def plot(ours: dict, fla: dict, n: int, png: str, title: str) -> None:
+    first = [{"loss": r["loss"][:n], "grad_norm": r["grad_norm"][:n]} for r in (ours, fla)]
+    plot_runs(first, ["gdn-parallel", "fla-core"], png, title)
 
 
 def main(argv=None) -> int:
@@ -335,6 +437,10 @@ def main(argv=None) -> int:
     s.add_argument("--config", required=True)
     s.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     s.add_argument("--dir", required=True)
+    s.add_argument("--init", choices=("ours", "fla"), default="ours",
+                   help="whose initialisation the exported weights are (default: ours, build_model's)")
+    s.add_argument("--take-from-fla", default=None, metavar="REGEX",
+                   help="with --init ours: exported tensors whose name matches REGEX from fla-core's init")
     s = sub.add_parser("train")
     s.add_argument("--dir", required=True)
     s.add_argument("--side", choices=("ours", "fla"), required=True)
@@ -347,6 +453,16 @@ def main(argv=None) -> int:
     s.add_argument("--check-gradients", default=None, metavar="JSON",
                    help="first: fla's and our bf16 gradients against our fp32 model, into JSON")
     s.add_argument("--gradient-tokens", type=int, default=4096)
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a setting of the prepared config changed for these runs (repeatable)")
+    s = sub.add_parser("spikes")
+    s.add_argument("runs", nargs="+")
+    s.add_argument("--rise", type=float, default=0.5, help="a rise over the step before: a spike")
+    s.add_argument("--last", type=int, default=10)
+    s.add_argument("--from-step", type=int, default=10, help="first step of the correlated loss changes")
+    s.add_argument("--out", default=None)
+    s.add_argument("--png", default=None)
+    s.add_argument("--title", default=None)
     s = sub.add_parser("compare")
     s.add_argument("ours")
     s.add_argument("fla")
@@ -358,8 +474,8 @@ def main(argv=None) -> int:
     s.add_argument("--png", default=None)
     s.add_argument("--title", default=None)
     args = p.parse_args(argv)
-    if args.command == "compare":
-        return compare(args)
+    if args.command in ("compare", "spikes"):
+        return {"compare": compare, "spikes": spikes}[args.command](args)
     {"prepare": prepare, "train": train_side}[args.command](args)
     return 0
 

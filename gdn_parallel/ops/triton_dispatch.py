@@ -88,7 +88,9 @@ def check_kernel_config(model: ModelConfig, on_cuda: bool, dtype: str) -> None:
     if runs_kernels and on_cuda and dtype == "float32" and model.gdn_head_dim > 128:
         # The backward now splits the key columns where [64, K] fp32 tiles do not fit (sm_90 compile:
         # 160 KB at most, tools/kernel_resources.py), but that path has not yet passed the GPU tests
-        # (test_every_head_size_and_dtype_on_gpu[256-256-float32]): until it does, training refuses it.
+        # (test_every_head_size_and_dtype_on_gpu[256-256-float32] had not finished after 210 s on an
+        # H100, nor by the end of a 515-s run of the fp32 cases on an H200, docs/kernels.md): until it
+        # does, training refuses it.
         raise ConfigError(f"model.gdn_head_dim={model.gdn_head_dim} with train.dtype='float32' on CUDA: the "
                           f"Triton GDN backward for fp32 keys wider than 128 is not yet verified on a GPU; "
                           f"use train.dtype=bfloat16 (autocast), model.gdn_head_dim <= 128, "
