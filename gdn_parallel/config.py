@@ -66,6 +66,21 @@ class Rule(NamedTuple):
     requirement: str
 
 
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """'FIRST,LAST' or 'STEP' -> (first, last); '' -> None. ValueError names what is wrong."""
+    text = text.strip()
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise ValueError("must be FIRST,LAST (two step numbers, e.g. 10,12), one step (e.g. 10), "
+                         "or '' for none")
+    first, last = int(parts[0]), int(parts[-1])
+    if last < first:
+        raise ValueError(f"lists its last step {last} before its first {first}; write FIRST,LAST")
+    return first, last
+
+
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, rule: Rule | None = None,
             choices: tuple = (), factory: Callable[[], Any] | None = None) -> Any:
     """A config field (dataclasses.field) carrying its help, its range rule and its choices in its
@@ -376,6 +391,10 @@ class TrainConfig:
     activation_checkpointing: str = setting(
         "none", "activations recomputed in the backward to save memory: none; selective: the MLP branches; "
                 "full: whole blocks", choices=CHECKPOINTING_MODES)
+    profile_steps: str = setting(
+        "", "steps to profile, FIRST,LAST (e.g. 10,12; one step: 10; '': none): a chrome trace and a table "
+            "of where their time went (matmul, GDN kernels, conv + norm, ..., GPU idle) under "
+            "<train.out_dir>/profile/, the table also printed")
     max_skipped_steps: int = setting(
         3, "non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3",
         rule=_at_least(1))
@@ -405,6 +424,22 @@ class TrainConfig:
                               f"train.warmup_steps")
         _check_device(self.device)
         _check_out_dir(self.out_dir)
+        self._check_profile_steps()
+
+    def _check_profile_steps(self) -> None:
+        try:
+            window = parse_profile_steps(self.profile_steps)
+        except ValueError as err:
+            raise ConfigError(f"train.profile_steps={self.profile_steps!r} {err}") from None
+        if window is not None and window[1] >= self.steps:
+            raise ConfigError(f"train.profile_steps={self.profile_steps!r} reaches step {window[1]}, but the "
+                              f"run's steps are 0..{self.steps - 1} (train.steps={self.steps}); profile "
+                              f"earlier steps")
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """train.profile_steps as (first, last), or None."""
+        return parse_profile_steps(self.profile_steps)
 
     @property
     def decay_steps(self) -> int:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_index import copy_to_device
+
 
 @dataclass
 class ChunkLayout:
@@ -55,5 +57,5 @@ def build_layout(doc_lengths: list, chunk_size: int, device) -> ChunkLayout:
         dest.append(torch.arange(length) + chunk_cursor * chunk_size)
         chunk_cursor += n
     token_dest = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.long)
-    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size, token_dest.to(device),
-                       first, counts, list(doc_lengths))
+    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size,
+                       copy_to_device(token_dest, device), first, counts, list(doc_lengths))

@@ -27,5 +27,15 @@ def on_device(index: torch.Tensor, device) -> torch.Tensor:
             _device_copies.pop(key, None)
 
         ref = weakref.ref(index, forget)
-        entry = _device_copies[key] = (ref, index._version, index.to(device))
+        entry = _device_copies[key] = (ref, index._version, copy_to_device(index, device))
     return entry[2]
+
+
+def copy_to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` copied to `device` without the host waiting: on CUDA through pinned memory and an
+    asynchronous copy (a copy from pageable memory first waits for the GPU to drain; the caching host
+    allocator keeps the pinned buffer until the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

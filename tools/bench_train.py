@@ -12,6 +12,11 @@ optimizer state included). The peer row is fla-core's model with the same shapes
 linear cross-entropy (pure GDN configs only: its attention layers need flash-attn); it is skipped
 when fla-core is not importable. Out-of-memory is reported as such.
 
+--trainer N: first, per config, the trainer as users run it (`python -m gdn_parallel.train --config
+C`, its own batch, micro-batches, data, clipping and logging, N steps, checkpoints off), steps N-4 and
+N-3 under train.profile_steps: its steady tokens/s (median of the later steps' lines, profiled steps
+left out), MFU, peak memory, and the profile's GPU-idle share and time buckets, beside the bare steps.
+
 --account: one forward of our model per config at --account-batch sequences, with every tensor saved
 for the backward counted once (by storage) and charged to the module that saved it: where the
 activation memory goes, per block component. Printed as a table and kept in the JSON.
@@ -46,10 +51,40 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--trainer", type=int, default=0, metavar="STEPS",
+                   help="also time the real trainer over STEPS steps per config (>= 8; 0: not)")
     p.add_argument("--account", action="store_true", help="per-component account of saved activations")
     p.add_argument("--account-batch", type=int, default=2)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_train.json"))
     return p.parse_args(argv)
+
+
+def trainer_row(path: str, steps: int, out: str) -> dict:
+    """The trainer's own steps at the config's settings, in a process of its own (module docstring)."""
+    import statistics
+    import subprocess
+    if steps < 8:
+        raise SystemExit(f"--trainer {steps}: give at least 8 steps (warm-up, profiled, steady)")
+    run_dir = Path(out).parent / "bench_trainer" / Path(path).stem
+    window = f"{steps - 4},{steps - 3}"
+    command = [sys.executable, "-m", "gdn_parallel.train", "--config", path, "--set", f"train.steps={steps}",
+               "--set", "train.warmup_steps=2", "--set", "train.log_every=1", "--set", "train.eval_every=0",
+               "--set", "checkpoint.enabled=false", "--set", f"train.out_dir={run_dir}",
+               "--set", f"train.profile_steps={window}"]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    row = {"model": "trainer", "batch": Config.from_yaml(path).train.batch_size,
+           "micro": Config.from_yaml(path).train.microbatch_rows, "command": " ".join(command[1:])}
+    if done.returncode != 0:
+        return {**row, "error": (done.stdout + done.stderr)[-600:]}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "tokens_per_s" in r and isinstance(r.get("step"), int)]
+    steady = [r for r in lines if r["step"] >= 3 and not steps - 4 <= r["step"] <= steps - 3]
+    profile = json.loads((run_dir / "profile" / "buckets_rank0.json").read_text())
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
+    return {**row, "tokens_per_s": tokens_per_s, "step_ms": None, "mfu": statistics.median(
+                r["mfu"] or 0.0 for r in steady) or None,
+            "peak_gib": max(r["mem_mib"] for r in lines) / 1024, "idle_share": profile["idle_share"],
+            "profile_wall_ms": profile["wall_ms"], "buckets_ms": profile["buckets_ms"]}
 
 
 def random_rows(batch: int, seq_len: int, vocab: int, device, seed: int = 0):
@@ -189,6 +224,10 @@ def main(argv=None) -> int:
         config = Config.from_yaml(path)
         seq_len = args.seq_len or config.train.seq_len
         config.train.seq_len = seq_len
+        if args.trainer:
+            results.append({"config": path, **trainer_row(path, args.trainer, args.out)})
+            print(json.dumps(results[-1]), flush=True)
+            write_payload()
         if args.account:
             accounts[path] = account_saved_activations(config, args.account_batch, device)
             free_memory(device)
@@ -223,8 +262,15 @@ def main(argv=None) -> int:
                   + ("      OOM" if r.get("oom") else f"  error: {r['error']}"))
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+        step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f}"
         print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} "
-              f"{r['step_ms']:9.1f} {r['tokens_per_s']:9,.0f} {mfu:>6s} {r['peak_gib']:9.1f}")
+              f"{step_ms:>9s} {r['tokens_per_s']:9,.0f} {mfu:>6s} {r['peak_gib']:9.1f}"
+              + (f"  GPU idle {r['idle_share']:.1%}" if r.get("idle_share") is not None else ""))
+    for r in results:
+        if r.get("buckets_ms"):
+            print(f"\ntrainer profile, {Path(r['config']).name}: {r['profile_wall_ms']:.1f} ms a step")
+            for bucket, ms in sorted(r["buckets_ms"].items(), key=lambda item: -item[1]):
+                print(f"  {bucket:20s} {ms:9.2f} ms")
     for path, acc in accounts.items():
         print(f"\nsaved activations, {Path(path).name}, batch {acc['batch']} x {acc['seq_len']}: "
               f"{acc['total_gib']:.2f} GiB")

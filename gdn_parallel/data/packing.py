@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,7 +32,9 @@ class PackedBatch:
     input_ids: torch.Tensor      # [1, total] int64
     labels: torch.Tensor         # [1, total] int64, -100 at each piece's last token
     position_ids: torch.Tensor   # [1, total] int64, position inside the piece
-    cu_seqlens: torch.Tensor     # [num_pieces + 1] int64, 0 ... total
+    cu_seqlens: torch.Tensor     # [num_pieces + 1] int64, 0 ... total; always on the host
+    # Set by label_count() and to(); not an init field, so dataclasses.replace (new labels) recounts.
+    known_label_count: int | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -52,8 +54,24 @@ class PackedBatch:
         return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max().item())
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in
-                             (self.input_ids, self.labels, self.position_ids, self.cu_seqlens)))
+        """Token tensors on `device`; `cu_seqlens` stays on the host, where the ops read it (chunk
+        layouts, document lengths) and make their device copies once per tensor
+        (gdn_kernels.host_index.on_device): read back from a GPU, every layer would wait for it."""
+        pin = non_blocking and torch.device(device).type == "cuda"  # else the copy waits for the GPU
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            source = t.pin_memory() if pin and t.device.type == "cpu" else t
+            return source.to(device, non_blocking=non_blocking)
+        moved = PackedBatch(move(self.input_ids), move(self.labels), move(self.position_ids), self.cu_seqlens)
+        moved.known_label_count = self.label_count()
+        return moved
+
+    def label_count(self) -> int:
+        """Tokens with a target: counted once, on the host for batches moved by `to` (a batch made on
+        a GPU is counted there, at the cost of one device sync)."""
+        if self.known_label_count is None:
+            self.known_label_count = int((self.labels != IGNORE_INDEX).sum())
+        return self.known_label_count
 
 
 def num_label_tokens(total_tokens: int, num_pieces: int) -> int:

@@ -81,7 +81,12 @@ class LMOutput:
     loss: torch.Tensor | None = None      # mean over label tokens (sum / num_tokens)
     loss_sum: torch.Tensor | None = None  # summed cross-entropy (global means under parallelism)
     logits: torch.Tensor | None = None    # only when no labels are given
-    num_tokens: int = 0                      # tokens with a label
+    label_count: torch.Tensor | None = None  # tokens with a label (a 0-d tensor on the model's device)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens with a label, read on the host (a device sync on a GPU)."""
+        return 0 if self.label_count is None else int(self.label_count)
 
 
 class HybridLM(nn.Module):
@@ -108,8 +113,9 @@ class HybridLM(nn.Module):
         init_linear_weights(self, self.config)
 
     def sequence_info(self, input_ids, cu_seqlens=None, position_ids=None) -> SequenceInfo:
-        if position_ids is None and cu_seqlens is not None:
+        if position_ids is None and cu_seqlens is not None:  # host boundaries give host positions
             position_ids = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[1]).unsqueeze(0)
+            position_ids = position_ids.to(input_ids.device)
         return SequenceInfo(cu_seqlens=cu_seqlens, position_ids=position_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -127,12 +133,13 @@ class HybridLM(nn.Module):
         if labels is None:
             return LMOutput(logits=self.lm_head(hidden))
         loss_sum, count = self.loss_sum(hidden, labels)
-        return LMOutput(loss=loss_sum / max(count, 1), loss_sum=loss_sum, num_tokens=count)
+        return LMOutput(loss=loss_sum / count.clamp_min(1), loss_sum=loss_sum, label_count=count)
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
-        """Summed cross-entropy over tokens with a label, and their count (for global means)."""
+        """Summed cross-entropy over tokens with a label, and their count as a tensor (for global
+        means; read on the host only by whoever needs it: a GPU read is a device sync)."""
         loss = lm_head_loss(self.criterion, self.lm_head, hidden, labels)
-        return loss, int((labels != IGNORE_INDEX).sum())
+        return loss, (labels != IGNORE_INDEX).sum()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}

@@ -6,15 +6,20 @@ at 0 in every document so a document sees the same rotary phases wherever it was
 from __future__ import annotations
 
 import torch
+from gdn_kernels.host_index import on_device
 
 from .validation import check_cu_seqlens
 
 __all__ = ["positions_from_cu_seqlens", "document_ids_from_cu_seqlens", "apply_rotary"]
 
 
-def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Index of the document each of the `total` tokens belongs to (int64, on cu_seqlens' device)."""
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
+    """Index of the document each of the `total` tokens belongs to (int64, on `device`, by default
+    cu_seqlens' own). Host boundaries with a GPU `device`: checked on the host, copied once per tensor
+    (no device sync)."""
     cu = check_cu_seqlens(cu_seqlens, 1, total)
+    if device is not None:
+        cu = on_device(cu, device)
     tokens = torch.arange(total, device=cu.device)
     # A token belongs to document d iff cu[d] <= t < cu[d+1]: count the document ends <= t.
     return torch.searchsorted(cu[1:], tokens, right=True)

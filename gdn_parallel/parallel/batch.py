@@ -42,16 +42,23 @@ def shard_batch(batch, cp_rank: int, cp_size: int, group: dist.ProcessGroup | No
     start, end = shard_bounds(total, cp_size, cp_rank, "train.seq_len * train.batch_size")
     context = CPContext.build(group, batch.cu_seqlens, end - start, algorithm,
                               device=batch.input_ids.device, rank=cp_rank, size=cp_size)
-    positions = batch.position_ids if batch.position_ids is not None else None
+    positions = batch.position_ids
     if positions is None:
-        positions = positions_from_cu_seqlens(batch.cu_seqlens, total).unsqueeze(0)
+        positions = positions_from_cu_seqlens(batch.cu_seqlens, total).unsqueeze(0).to(batch.input_ids.device)
     return CPShard(
         input_ids=batch.input_ids[:, start:end],
         labels=batch.labels[:, start:end],
         position_ids=positions[:, start:end],
         context=context,
-        num_label_tokens=int((batch.labels != IGNORE_INDEX).sum()),
+        num_label_tokens=label_count(batch),
     )
+
+
+def label_count(row) -> int:
+    """Tokens with a target in a row: the count a PackedBatch brought from the host, else counted here
+    (a device sync when the labels are on a GPU)."""
+    counted = getattr(row, "label_count", None)
+    return counted() if callable(counted) else int((row.labels != IGNORE_INDEX).sum())
 
 
 def cp_loss(model, shard: CPShard) -> torch.Tensor:

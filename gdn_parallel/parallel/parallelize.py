@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import sends_finished
-from ..config import IGNORE_INDEX, ParallelConfig
+from ..config import ParallelConfig
 from ..model import HybridLM, check_layers
-from .batch import all_reduce_gradients, shard_batch
+from .batch import all_reduce_gradients, label_count, shard_batch
 from .checkpointing import apply_activation_checkpointing
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from .mesh import ParallelDims
@@ -59,7 +59,7 @@ class ParallelModel:
         if scaler is not None and self.runner is not None:
             raise ValueError("a loss scaler (train.dtype=float16) is not supported with pipeline "
                              "parallelism; use bfloat16")
-        local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
+        local_labels = sum(label_count(row) for row in rows)
         normalizer = max(global_label_count(local_labels, self.dims), 1)
         microbatches = [self._shard(row) for row in rows]
         # The messages of a step's context parallelism live as long as the step.
@@ -76,7 +76,7 @@ class ParallelModel:
     def evaluate(self, rows: Sequence, autocast_dtype: torch.dtype | None = None) -> tuple[float, int]:
         """(summed token loss, label count) of this dp replica's rows, summed over every replica: the
         same on every rank. Forward only, under every layout."""
-        local_labels = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
+        local_labels = sum(label_count(row) for row in rows)
         count = global_label_count(local_labels, self.dims)
         if count == 0:
             return 0.0, 0

@@ -35,6 +35,7 @@ from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
 from .evaluation import validation_text_bytes
 from .optim import autocast_dtype, build_optimizer
+from .profiling import StepProfiler
 from .progress import ProgressLogger, ProgressSettings, peak_flops_per_s
 from .run_state import ModelSize, RunState, Validation
 from .schedule import check_resumed_schedule, schedule_from_config
@@ -59,6 +60,8 @@ def set_up_run(config: Config, device: torch.device, print_fn: Callable[[str], N
     run.logger = _progress_logger(run, resumed)
     if dist.get_rank() == 0:
         run.say = run.logger.say  # lines above the progress bar, when there is one
+    run.profiler = StepProfiler(config.train.profile_window, config.train.out_dir, dist.get_rank(), device,
+                                lambda line: run.say(line))
     return run
 
 

@@ -11,6 +11,7 @@ from ..config import Config
 from ..data import TokenBatches
 from ..parallel.mesh import ParallelDims
 from ..parallel.parallelize import ParallelModel
+from .profiling import StepProfiler
 from .progress import ProgressLogger
 
 
@@ -47,6 +48,7 @@ class RunState:
     # Made last: the logger's clock starts when it is made, after the checkpoint is loaded.
     logger: ProgressLogger | None = None
     saver: CheckpointSaver | None = None    # None: no checkpoints (disabled, or no train.out_dir)
+    profiler: StepProfiler | None = None    # train.profile_steps (a no-op without them)
     start_step: int = 0                 # a resumed run's checkpoint step
     last_step: int = -1                 # the step run last (start_step - 1 before the first)
     skipped_in_row: int = 0             # non-finite steps in a row, skipped

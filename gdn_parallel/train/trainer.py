@@ -21,6 +21,7 @@ Returns a summary dict: first_loss, final_loss, val_loss, steps, tokens_per_s, l
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -54,10 +55,12 @@ class StopRequest:
         self.requested = True
 
     def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop (a collective: every rank calls it at each step)."""
+        """Whether any rank was asked to stop (a collective: every rank calls it at each step; alone,
+        no device round trip, which would make the host wait for the step's kernels)."""
+        if dist.get_world_size() == 1:
+            return self.requested
         flag = torch.tensor([float(self.requested)], device=device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self) -> None:
@@ -102,6 +105,8 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
         for step in range(run.start_step, config.train.steps):
             if not _run_step(run, step, stop):
                 break
+        if run.profiler is not None:
+            run.profiler.close()
         if run.saver is not None:
             run.saver.finish()
     except BaseException:
@@ -116,7 +121,8 @@ def _run_step(run: RunState, step: int, stop: StopRequest) -> bool:
     """One optimizer step, then an evaluation and a checkpoint where due; False when a stop was asked
     for (the run ends after this step, its checkpoint saved)."""
     train = run.config.train
-    _optimizer_step(run, step)
+    with run.profiler.around(step) if run.profiler is not None else contextlib.nullcontext():
+        _optimizer_step(run, step)
     last = step == train.steps - 1
     stopping = stop.agreed(run.device) and not last
     # A stop goes straight to its checkpoint: a scheduler's SIGKILL follows its SIGTERM within a

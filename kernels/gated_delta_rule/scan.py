@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..host_index import copy_to_device
+
 
 @dataclass
 class ScanPlan:
@@ -47,7 +49,7 @@ def plan_scan(doc_first: list, doc_count: list, device, span_chunks: int) -> Sca
     if span_chunks == 0:
         span_chunks = max(8, math.isqrt(max(longest - 1, 0)) + 1)
     if span_chunks < 0 or longest < 2 * span_chunks:  # too short to gain from spans
-        table = torch.tensor([doc_first, doc_count], dtype=torch.int32).to(device)
+        table = copy_to_device(torch.tensor([doc_first, doc_count], dtype=torch.int32), device)
         return ScanPlan(table[0], table[1])
     span_first: list[int] = []
     span_count: list[int] = []
@@ -60,8 +62,8 @@ def plan_scan(doc_first: list, doc_count: list, device, span_chunks: int) -> Sca
             span_count.append(min(span_chunks, count - offset))
         doc_span_count.append(len(span_first) - doc_span_first[-1])
     # One host-to-device copy for the whole plan.
-    flat = torch.tensor(doc_first + doc_count + span_first + span_count + doc_span_first + doc_span_count,
-                        dtype=torch.int32).to(device)
+    flat = copy_to_device(torch.tensor(doc_first + doc_count + span_first + span_count + doc_span_first
+                                       + doc_span_count, dtype=torch.int32), device)
     N, S = len(doc_first), len(span_first)
     parts = flat.split([N, N, S, S, N, N])
     return ScanPlan(*parts)

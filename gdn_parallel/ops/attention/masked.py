@@ -195,7 +195,7 @@ def _row_indices(q, k, v, causal, window, cu_seqlens):
     cu = check_cu_seqlens(cu_seqlens, B, T)
     index = torch.arange(T, device=q.device)
     doc = torch.zeros(T, dtype=torch.int64, device=q.device) if cu is None \
-        else document_ids_from_cu_seqlens(cu.to(q.device), T)
+        else document_ids_from_cu_seqlens(cu, T, device=q.device)
     return index, doc
 
 

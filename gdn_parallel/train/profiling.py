@@ -1,0 +1,153 @@
+"""train.profile_steps: where the time of some training steps goes, without writing code.
+
+    python -m gdn_parallel.train --config configs/gdn-1.3b.yaml --set train.profile_steps=10,12
+
+Those steps run under torch.profiler. Written under <train.out_dir>/profile/ by every rank:
+trace_rank<R>.json (a chrome trace: chrome://tracing or https://ui.perfetto.dev) and
+buckets_rank<R>.json; rank 0 prints the table. Each kernel (each operator's own time on the CPU) goes
+into one bucket by its name: matmul, GDN kernels, conv + norm, attention, loss, optimizer (AdamW and
+clipping), communication, casts + copies, other elementwise. On a GPU the device is idle for the
+steps' wall time minus the union of its kernels' intervals: time the host makes it wait (launch
+overheads, host syncs, data). The profiled steps wait for the device at their start and end, and the
+profiler adds its own overhead, so they run a little slower than the others.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+BUCKET_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # first match wins: a name like "triton_..._norm_bwd" is conv + norm, not "other"
+    ("communication", ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
+                       "gloo", "c10d", "sendrecv", "send", "recv")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "clip_grad", "optimizer")),
+    ("loss", ("cross_entropy", "crossentropy", "logsumexp", "log_softmax", "nll_loss", "_row_stats",
+              "_softmax_grad")),
+    ("GDN kernels", ("output_forward", "qkw_backward", "span_summary", "state_forward", "state_backward",
+                     "ut_forward", "ut_backward", "fold_spans", "delta_grad", "gate_fwd", "gate_bwd",
+                     "l2norm_rows", "chunk_gated", "gated_delta")),
+    ("conv + norm", ("conv", "norm")),
+    ("attention", ("flex", "attention", "sdpa", "flash", "fmha")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::linear", "mm_", "_mm")),
+    ("casts + copies", ("copy", "memcpy", "memset", "cast", "aten::to", "fill", "aten::cat",
+                        "contiguous", "clone", "index_select", "gather", "scatter")),
+)
+OTHER = "other elementwise"
+BUCKETS = tuple(name for name, _ in BUCKET_RULES) + (OTHER,)
+
+
+def bucket_of(name: str) -> str:
+    lowered = name.lower()
+    for bucket, words in BUCKET_RULES:
+        if any(word in lowered for word in words):
+            return bucket
+    return OTHER
+
+
+class StepProfiler:
+    """Wraps each optimizer step: profiles those in `steps` (first, last), then writes and says."""
+
+    def __init__(self, steps: tuple[int, int] | None, out_dir: str, rank: int, device: torch.device,
+                 say: Callable[[str], None]):
+        self.steps, self.device, self.say, self.rank = steps, device, say, rank
+        self.folder = Path(out_dir) / "profile" if out_dir else None
+        self._profile = None
+        self._start = 0.0
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if self.steps is not None and step == self.steps[0]:
+            self._begin()
+        try:
+            yield
+        finally:
+            if self._profile is not None and (step == self.steps[1] if self.steps else False):
+                self._end(step - self.steps[0] + 1)
+
+    def close(self) -> None:
+        """A run that ended inside the window (a stop, fewer steps): write what was profiled."""
+        if self._profile is not None and self.steps is not None:
+            self._end(None)
+
+    def _begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self._profile = profile(activities=activities)
+        self._profile.__enter__()
+        self._start = time.perf_counter()
+
+    def _end(self, steps: int | None) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall_ms = (time.perf_counter() - self._start) * 1e3
+        profile, self._profile = self._profile, None
+        assert profile is not None
+        profile.__exit__(None, None, None)
+        first, last = self.steps if self.steps is not None else (0, 0)
+        count = steps or max(1, last - first + 1)
+        table = bucket_table(profile, wall_ms, count, self.device.type == "cuda")
+        table["steps"] = [first, first + count - 1]
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            profile.export_chrome_trace(str(self.folder / f"trace_rank{self.rank}.json"))
+            (self.folder / f"buckets_rank{self.rank}.json").write_text(json.dumps(table, indent=1))
+        for line in format_table(table, self.folder):
+            self.say(line)
+
+
+def bucket_table(profile, wall_ms: float, steps: int, on_gpu: bool) -> dict:
+    """Milliseconds per step by bucket, the wall and busy time per step and the GPU-idle share."""
+    from torch.autograd import DeviceType
+    totals = dict.fromkeys(BUCKETS, 0.0)
+    kernels: dict[str, float] = {}
+    if on_gpu:
+        events = [e for e in profile.events() if e.device_type == DeviceType.CUDA]
+        for event in events:
+            duration = event.time_range.elapsed_us() / 1e3
+            totals[bucket_of(event.name)] += duration
+            kernels[event.name] = kernels.get(event.name, 0.0) + duration
+        busy = _union_ms([(e.time_range.start, e.time_range.end) for e in events])
+    else:  # the CPU's operators by their own time (children counted in their own rows)
+        for row in profile.key_averages():
+            own = row.self_cpu_time_total / 1e3
+            if own > 0 and not row.key.startswith("ProfilerStep"):
+                totals[bucket_of(row.key)] += own
+                kernels[row.key] = kernels.get(row.key, 0.0) + own
+        busy = sum(totals.values())
+    per_step = {bucket: ms / steps for bucket, ms in totals.items()}
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:15]
+    return {"device": "gpu" if on_gpu else "cpu", "wall_ms": wall_ms / steps, "busy_ms": busy / steps,
+            "idle_share": max(0.0, 1 - busy / wall_ms) if on_gpu and wall_ms > 0 else None,
+            "buckets_ms": per_step, "top": [{"name": n[:120], "ms_per_step": t / steps} for n, t in top]}
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals in microseconds, as milliseconds."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total / 1e3
+
+
+def format_table(table: dict, folder: Path | None) -> list[str]:
+    first, last = table["steps"]
+    where = f"; trace and table in {folder}" if folder is not None else " (train.out_dir '': not written)"
+    idle = table["idle_share"]
+    head = (f"profile | steps {first}-{last}: {table['wall_ms']:.1f} ms a step, "
+            + (f"GPU busy {table['busy_ms']:.1f} ms (idle {idle:.1%})" if idle is not None
+               else f"CPU operators {table['busy_ms']:.1f} ms") + where)
+    busy = table["busy_ms"] or 1.0
+    rows = sorted(table["buckets_ms"].items(), key=lambda item: -item[1])
+    return [head] + [f"profile |   {name:<18} {ms:9.2f} ms {ms / busy:6.1%}" for name, ms in rows if ms > 0]

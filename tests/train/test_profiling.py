@@ -1,0 +1,72 @@
+"""train.profile_steps (issue 26): the steps it names run under torch.profiler; a chrome trace and the
+table of where their time went are written under <out_dir>/profile/ and the table is printed."""
+import json
+
+import pytest
+
+from gdn_parallel.config import Config, ConfigError, parse_profile_steps
+from gdn_parallel.train import run_training
+from gdn_parallel.train.profiling import BUCKETS, _union_ms, bucket_of
+
+SMALL = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.eval_every=0",
+         "train.log_every=1", "checkpoint.enabled=false"]
+
+
+def test_the_named_steps_are_profiled_into_a_trace_and_a_table(tmp_path):
+    lines = []
+    config = Config.from_yaml("configs/tiny-cpu.yaml", SMALL + [
+        "train.steps=5", "train.warmup_steps=1", f"train.out_dir={tmp_path}", "train.profile_steps=1,2"])
+    run_training(config, print_fn=lines.append)
+    table = json.loads((tmp_path / "profile" / "buckets_rank0.json").read_text())
+    assert table["steps"] == [1, 2] and set(table["buckets_ms"]) == set(BUCKETS)
+    assert table["wall_ms"] > 0 and 0 < table["busy_ms"]
+    assert table["buckets_ms"]["matmul"] > 0 and table["top"]
+    trace = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())
+    assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
+    said = [line for line in lines if line.startswith("profile |")]
+    assert "steps 1-2" in said[0] and any("matmul" in line for line in said[1:])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("10-12", "FIRST,LAST"), ("3,1", "before its first"), ("1,2,3", "FIRST,LAST"), ("2,9", "steps are 0..4")])
+def test_a_bad_window_names_the_field(value, message):
+    settings = SMALL + ["train.steps=5", "train.warmup_steps=1", f"train.profile_steps={value}"]
+    config = Config.from_yaml("configs/tiny-cpu.yaml", settings, validate=False)
+    with pytest.raises(ConfigError, match=f"train.profile_steps=.*{message}"):
+        config.validate()
+
+
+def test_windows_parse():
+    assert parse_profile_steps("") is None and parse_profile_steps(" 10 , 12 ") == (10, 12)
+    assert parse_profile_steps("7") == (7, 7)
+
+
+@pytest.mark.parametrize("name, bucket", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT", "matmul"),
+    ("output_forward", "GDN kernels"), ("qkw_backward", "GDN kernels"), ("_gate_bwd", "GDN kernels"),
+    ("_l2norm_rows_fwd", "GDN kernels"),
+    ("_norm_bwd", "conv + norm"), ("_conv_fwd_kernel", "conv + norm"),
+    ("_row_stats_kernel", "loss"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "communication"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "casts + copies"),
+    ("triton_poi_fused_add_mul_0", "other elementwise"),
+])
+def test_kernels_fall_into_their_buckets(name, bucket):
+    assert bucket_of(name) == bucket
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    assert _union_ms([(0, 1000), (500, 1500), (3000, 3500), (3100, 3200)]) == pytest.approx(2.0)
+    assert _union_ms([]) == 0.0
+
+
+def test_bench_train_times_the_trainer_as_users_run_it(tmp_path):
+    """tools/bench_train.py --trainer: the trainer's own process and steps, its profile beside them."""
+    from tools.bench_train import trainer_row
+    row = trainer_row("configs/tiny-cpu.yaml", 8, str(tmp_path / "bench.json"))
+    assert "error" not in row, row.get("error")
+    assert row["model"] == "trainer" and row["batch"] == 4 and row["tokens_per_s"] > 0
+    assert row["peak_gib"] > 0 and set(row["buckets_ms"]) == set(BUCKETS)
+    assert "train.profile_steps=4,5" in row["command"]
