@@ -155,7 +155,9 @@ def load_side(side: str, work: Path, device) -> tuple[torch.nn.Module, Callable]
                 setattr(getattr(module, name), NO_WEIGHT_DECAY, True)
 
     def loss_sum(row):
-        hidden = model.model(input_ids=row.input_ids, cu_seqlens=row.cu_seqlens, use_cache=False)[0]
+        # fla-core's kernels read the boundaries on the device (PackedBatch.to keeps them on the host)
+        cu_seqlens = row.cu_seqlens.to(row.input_ids.device)
+        hidden = model.model(input_ids=row.input_ids, cu_seqlens=cu_seqlens, use_cache=False)[0]
         logits = model.lm_head(hidden)
         return F.cross_entropy(logits.float().flatten(0, 1), row.labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
