@@ -59,6 +59,7 @@ class StepProfiler:
         self.folder = Path(out_dir) / "profile" if out_dir else None
         self._profile = None
         self._start = 0.0
+        self._profiled = 0  # steps run under the profiler so far
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -67,13 +68,15 @@ class StepProfiler:
         try:
             yield
         finally:
-            if self._profile is not None and (step == self.steps[1] if self.steps else False):
-                self._end(step - self.steps[0] + 1)
+            if self._profile is not None:
+                self._profiled += 1
+                if self.steps is not None and step == self.steps[1]:
+                    self._end()
 
     def close(self) -> None:
-        """A run that ended inside the window (a stop, fewer steps): write what was profiled."""
-        if self._profile is not None and self.steps is not None:
-            self._end(None)
+        """A run that ended inside the window (a stop asked for): write what was profiled."""
+        if self._profile is not None:
+            self._end()
 
     def _begin(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -85,15 +88,15 @@ class StepProfiler:
         self._profile.__enter__()
         self._start = time.perf_counter()
 
-    def _end(self, steps: int | None) -> None:
+    def _end(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall_ms = (time.perf_counter() - self._start) * 1e3
         profile, self._profile = self._profile, None
         assert profile is not None
         profile.__exit__(None, None, None)
-        first, last = self.steps if self.steps is not None else (0, 0)
-        count = steps or max(1, last - first + 1)
+        first = self.steps[0] if self.steps is not None else 0
+        count = max(1, self._profiled)
         table = bucket_table(profile, wall_ms, count, self.device.type == "cuda")
         table["steps"] = [first, first + count - 1]
         if self.folder is not None:

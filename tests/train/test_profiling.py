@@ -70,3 +70,20 @@ def test_bench_train_times_the_trainer_as_users_run_it(tmp_path):
     assert row["model"] == "trainer" and row["batch"] == 4 and row["tokens_per_s"] > 0
     assert row["peak_gib"] > 0 and set(row["buckets_ms"]) == set(BUCKETS)
     assert "train.profile_steps=4,5" in row["command"]
+
+
+def test_a_run_stopped_inside_the_window_writes_the_steps_it_profiled(tmp_path):
+    """close() (the trainer's end of run) writes what the profiler saw, counted by the steps run."""
+    import torch
+
+    from gdn_parallel.train.profiling import StepProfiler
+    lines = []
+    profiler = StepProfiler((1, 4), str(tmp_path), 0, torch.device("cpu"), lines.append)
+    for step in range(3):  # stopped after step 2: steps 1 and 2 profiled
+        with profiler.around(step):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    profiler.close()
+    table = json.loads((tmp_path / "profile" / "buckets_rank0.json").read_text())
+    assert table["steps"] == [1, 2] and "steps 1-2" in lines[0]
+    profiler.close()  # nothing left to write
+    assert len([line for line in lines if "steps 1-2" in line]) == 1
