@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -365,7 +366,7 @@ def spikes(args) -> int:
     rows = []
     for path, record, change in zip(args.runs, records, changes):
         loss, norms = record["loss"], record["grad_norm"]
-        rises = [(loss[t] - loss[t - 1], t) for t in range(1, len(loss))]
+        rises = list(zip(_changes(loss, 1), range(1, len(loss))))
         biggest, at = max(rises) if rises else (0.0, 0)
         last = loss[-args.last:]
         rows.append({"run": Path(path).stem, "side": record["side"], "steps": len(loss),
@@ -396,14 +397,14 @@ def _changes(loss: list[float], start: int) -> list[float]:
 
 
 def _correlation(a: list[float], b: list[float]) -> float | None:
+    """Pearson's r over the steps both runs have; None for fewer than 3 or a constant series."""
     n = min(len(a), len(b))
     if n < 3:
         return None
-    a, b = a[:n], b[:n]
-    mean_a, mean_b = sum(a) / n, sum(b) / n
-    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b))
-    var = math.sqrt(sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b))
-    return cov / var if var > 0 else None
+    try:
+        return statistics.correlation(a[:n], b[:n])
+    except statistics.StatisticsError:
+        return None
 
 
 def plot_runs(records: list[dict], names: list[str], png: str, title: str) -> None:

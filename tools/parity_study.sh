@@ -34,19 +34,24 @@ ready() {  # dir name: waits for its prepare; true when it succeeded
     while [[ ! -f $W/$1.ready ]]; do sleep 2; done
     [[ $(cat "$W/$1.ready") == 0 ]]
 }
-train() {  # gpu, dir name, side, run name, train's options
-    local gpu=$1 dir=$2 side=$3 name=$4
-    shift 4
+time_left() {  # run name: prints the seconds left before DEADLINE; false (and says so) under 30
     local left=$((DEADLINE - SECONDS))
-    if ((left < 30)); then echo "$name: skipped (no time left)"; return; fi
+    if ((left < 30)); then echo "$1: skipped (no time left)" >&2; return 1; fi
+    echo "$left"
+}
+train() {  # gpu, dir name, side, run name, train's options
+    local gpu=$1 dir=$2 side=$3 name=$4 left
+    shift 4
+    left=$(time_left "$name") || return
     CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 tools/parity_fla.py train --dir "$W/$dir" --side "$side" \
         --out "$R/$name.json" "$@" > "$R/$name.log" 2>&1
     echo "$name: exit $? at $SECONDS s"
 }
 trainer() {  # gpu, run name, overrides: h1-1.3b through the trainer, 30 steps, warmup 8
-    local gpu=$1 name=$2
+    local gpu=$1 name=$2 left
     shift 2
-    CUDA_VISIBLE_DEVICES=$gpu timeout $((DEADLINE - SECONDS)) python3 -m gdn_parallel.train \
+    left=$(time_left "$name") || return
+    CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m gdn_parallel.train \
         --config configs/h1-1.3b.yaml --set train.steps=30 --set train.warmup_steps=8 --set train.log_every=1 \
         --set train.eval_every=0 --set checkpoint.enabled=false --set "train.out_dir=/tmp/$name" "$@" \
         > "$R/$name.log" 2>&1

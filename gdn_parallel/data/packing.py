@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from gdn_kernels.host_index import copy_to_device
 
 from ..config import IGNORE_INDEX
 from .documents import DocumentLike, Documents
@@ -57,11 +58,8 @@ class PackedBatch:
         """Token tensors on `device`; `cu_seqlens` stays on the host, where the ops read it (chunk
         layouts, document lengths) and make their device copies once per tensor
         (gdn_kernels.host_index.on_device): read back from a GPU, every layer would wait for it."""
-        pin = non_blocking and torch.device(device).type == "cuda"  # else the copy waits for the GPU
-
         def move(t: torch.Tensor) -> torch.Tensor:
-            source = t.pin_memory() if pin and t.device.type == "cpu" else t
-            return source.to(device, non_blocking=non_blocking)
+            return copy_to_device(t, device) if non_blocking else t.to(device)
         moved = PackedBatch(move(self.input_ids), move(self.labels), move(self.position_ids), self.cu_seqlens)
         moved.known_label_count = self.label_count()
         return moved

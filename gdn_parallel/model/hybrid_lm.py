@@ -113,9 +113,9 @@ class HybridLM(nn.Module):
         init_linear_weights(self, self.config)
 
     def sequence_info(self, input_ids, cu_seqlens=None, position_ids=None) -> SequenceInfo:
-        if position_ids is None and cu_seqlens is not None:  # host boundaries give host positions
-            position_ids = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[1]).unsqueeze(0)
-            position_ids = position_ids.to(input_ids.device)
+        if position_ids is None and cu_seqlens is not None:
+            total = input_ids.shape[1]
+            position_ids = positions_from_cu_seqlens(cu_seqlens, total, input_ids.device).unsqueeze(0)
         return SequenceInfo(cu_seqlens=cu_seqlens, position_ids=position_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

@@ -25,9 +25,12 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=No
     return torch.searchsorted(cu[1:], tokens, right=True)
 
 
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of each token inside its own document: 0 at every document start (int64)."""
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
+    """Position of each token inside its own document: 0 at every document start (int64, on `device`
+    as in document_ids_from_cu_seqlens)."""
     cu = check_cu_seqlens(cu_seqlens, 1, total)
+    if device is not None:
+        cu = on_device(cu, device)
     doc = document_ids_from_cu_seqlens(cu, total)
     return torch.arange(total, device=cu.device) - cu[doc]
 

@@ -44,7 +44,7 @@ def shard_batch(batch, cp_rank: int, cp_size: int, group: dist.ProcessGroup | No
                               device=batch.input_ids.device, rank=cp_rank, size=cp_size)
     positions = batch.position_ids
     if positions is None:
-        positions = positions_from_cu_seqlens(batch.cu_seqlens, total).unsqueeze(0).to(batch.input_ids.device)
+        positions = positions_from_cu_seqlens(batch.cu_seqlens, total, batch.input_ids.device).unsqueeze(0)
     return CPShard(
         input_ids=batch.input_ids[:, start:end],
         labels=batch.labels[:, start:end],

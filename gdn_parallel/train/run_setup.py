@@ -61,7 +61,7 @@ def set_up_run(config: Config, device: torch.device, print_fn: Callable[[str], N
     if dist.get_rank() == 0:
         run.say = run.logger.say  # lines above the progress bar, when there is one
     run.profiler = StepProfiler(config.train.profile_window, config.train.out_dir, dist.get_rank(), device,
-                                lambda line: run.say(line))
+                                run.say)
     return run
 
 
