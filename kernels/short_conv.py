@@ -9,15 +9,18 @@ that the first document of the row (start 0) reaches back to -(W-1) when a `pref
 parallel halo) is given; x[u] for u < 0 is read from prefix[W-1+u].
 
 The backward recomputes z from the inputs (nothing but the inputs is saved) and, with
-dz = dy * act'(z):
+dz = dy * act'(z), runs in two passes: the first computes dz (written in dy's dtype, rounding as dy
+itself was rounded) with dw and dbias; the second computes dx from dz:
 
     dx[u]  = sum_s w[W-1-s] * dz[u+s]  over the u+s that see u   (the conv run in reverse)
     dw[i]  = sum_t dz[t] * x[t-s]       dbias = sum_t dz[t]
     dprefix[W-1+u] = dx[u] for u = -(W-1)..-1, with the same formula.
 
-dw and dbias are reduced per chunk of tokens in fp32 registers, written as partial sums and summed
-by torch: deterministic, no atomics. Arguments are validated by
-`gdn_parallel.ops.short_conv.causal_conv1d`; this module trusts them.
+A single pass that recomputed dz at each of the W tokens reading a position (W^2 loads of x and a
+cross-thread reduction per tile) took 54 ms of a gdn-1.3b step on an H100; the two passes take 32
+(tools/bench_block_kernels.py times both). dw and dbias are reduced per chunk of tokens in fp32
+registers, written as partial sums and summed by torch: deterministic, no atomics. Arguments are
+validated by `gdn_parallel.ops.short_conv.causal_conv1d`; this module trusts them.
 """
 from __future__ import annotations
 
@@ -35,8 +38,11 @@ __all__ = ["triton_causal_conv1d"]
 # channels is 16 elements per thread at 4 warps; bf16 rows of 64 channels are 128-byte loads.
 BLOCK_T = 32
 BLOCK_D = 64
-# Tokens per backward program: dw partial sums are [T / CHUNK_T, W, D] fp32 (8 MB at T=64K, D=2K).
+# Backward pass 1 (dz, dw, dbias): tokens per program, so dw partial sums are [T / CHUNK_T, W, D] fp32
+# (8 MB at T=64K, D=2K); its tiles are shorter, as it keeps W + 1 accumulator tiles in registers.
 CHUNK_T = 256
+DZ_BLOCK_T = 32
+DZ_WARPS = 4
 
 
 @triton.jit
@@ -98,84 +104,87 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, y_ptr, T, D,
 
 
 @triton.jit
-def _dpre(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, q, offs_d, d_ok, T, D,
-          W: tl.constexpr, LO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr,
-          HAS_PREFIX: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dz at tokens q (0 outside [0, T)) and lo[q]."""
-    q_ok = (q >= 0) & (q < T)
-    lo = _lowest_visible(start_ptr, q, q_ok, HAS_CU, LO)
-    dz = tl.load(dy_ptr + xrow + q[:, None] * D + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :],
-                 other=0.0).to(tl.float32)
-    if SILU:  # recompute z instead of saving it: silu'(z) = sig(z) * (1 + z * (1 - sig(z)))
-        z = _preact(x_ptr, w_ptr, b_ptr, p_ptr, xrow, prow, q, q_ok, lo, offs_d, d_ok, D,
-                    W, HAS_BIAS, HAS_PREFIX, BLOCK_T, BLOCK_D)
-        sig = tl.sigmoid(z)
-        dz = dz * sig * (1.0 + z * (1.0 - sig))
-    return dz, lo
-
-
-@triton.jit
-def _dinput(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u, offs_d, d_ok, T, D,
-            W: tl.constexpr, LO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr,
-            HAS_PREFIX: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Gradient reaching source positions u (u < 0: the prefix) from the W tokens u..u+W-1 that read
-    them; also returns dz and lo at u itself (the s = 0 term), which dw and dbias need."""
-    dsrc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    dz0 = dsrc
-    lo0 = u
-    for s in tl.static_range(W):
-        dz, lo = _dpre(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u + s, offs_d, d_ok,
-                       T, D, W, LO, HAS_BIAS, HAS_CU, HAS_PREFIX, SILU, BLOCK_T, BLOCK_D)
-        w_i = tl.load(w_ptr + offs_d * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
-        dsrc += tl.where((u >= lo)[:, None], dz, 0.0) * w_i[None, :]  # token u+s sees u?
-        if s == 0:
-            dz0, lo0 = dz, lo
-    return dsrc, dz0, lo0
-
-
-@triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, dp_ptr,
-                     T, D, W: tl.constexpr, W_POW2: tl.constexpr, P_POW2: tl.constexpr, LO: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_CU: tl.constexpr, HAS_PREFIX: tl.constexpr,
-                     SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                     CHUNK_T: tl.constexpr):
+def _conv_dz_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, dz_ptr, dw_ptr, db_ptr, T, D,
+                    W: tl.constexpr, W_POW2: tl.constexpr, LO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_CU: tl.constexpr, HAS_PREFIX: tl.constexpr, SILU: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_T: tl.constexpr):
+    """Pass 1 over a chunk of tokens: dz = dy * act'(z) (stored for pass 2 when there is an
+    activation; without one dz is dy) and the chunk's partial sums of dw and dbias. Those are
+    accumulated element by element and reduced over tokens once, at the end: a reduction across
+    the tile's threads per tile cost more than all of the loads."""
     pid_c = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
-    xrow, prow = b * T * D, b * (W - 1) * D
+    xrow, prow = b * T * D, b * (W - 1) * D  # int64: B*T*D may exceed 2^31
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     taps = tl.arange(0, W_POW2)
-    dw = tl.zeros((W_POW2, BLOCK_D), dtype=tl.float32)  # row i: partial dw[:, i]
-    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
-
+    dw = tl.zeros((W_POW2, BLOCK_T, BLOCK_D), dtype=tl.float32)  # [i]: terms of dw[:, i]
+    db = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in range(0, CHUNK_T, BLOCK_T):
         t0 = pid_c.to(tl.int64) * CHUNK_T + k
         if t0 < T:  # the last chunk may be short (a static trip count keeps the interpreter happy)
-            u = t0 + tl.arange(0, BLOCK_T)
-            u_ok = u < T
-            dxv, dz0, lo0 = _dinput(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u, offs_d,
-                                    d_ok, T, D, W, LO, HAS_BIAS, HAS_CU, HAS_PREFIX, SILU, BLOCK_T, BLOCK_D)
-            tl.store(dx_ptr + xrow + u[:, None] * D + offs_d[None, :], dxv.to(dx_ptr.dtype.element_ty),
-                     mask=u_ok[:, None] & d_ok[None, :])
-            db += tl.sum(dz0, axis=0)
+            q = t0 + tl.arange(0, BLOCK_T)
+            q_ok = q < T
+            lo = _lowest_visible(start_ptr, q, q_ok, HAS_CU, LO)
+            offs = xrow + q[:, None] * D + offs_d[None, :]
+            m = q_ok[:, None] & d_ok[None, :]
+            dz = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            if SILU:  # recompute z instead of saving it: silu'(z) = sig(z) * (1 + z * (1 - sig(z)))
+                z = _preact(x_ptr, w_ptr, b_ptr, p_ptr, xrow, prow, q, q_ok, lo, offs_d, d_ok, D,
+                            W, HAS_BIAS, HAS_PREFIX, BLOCK_T, BLOCK_D)
+                sig = tl.sigmoid(z)
+                dz = dz * sig * (1.0 + z * (1.0 - sig))
+                tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=m)
+            db += dz
             for i in tl.static_range(W):
-                src = u - (W - 1 - i)
-                xv = _load_src(x_ptr, p_ptr, xrow, prow, src, u_ok & (src >= lo0), offs_d, d_ok, D, W,
+                src = q - (W - 1 - i)
+                xv = _load_src(x_ptr, p_ptr, xrow, prow, src, q_ok & (src >= lo), offs_d, d_ok, D, W,
                                HAS_PREFIX)
-                dw += tl.where(taps[:, None] == i, tl.sum(dz0 * xv, axis=0)[None, :], 0.0)
+                dw += tl.where(taps[:, None, None] == i, (dz * xv)[None, :, :], 0.0)
 
     part = b * tl.num_programs(0) + pid_c  # one row of partial sums per (batch, chunk)
-    tl.store(dw_ptr + (part * W + taps[:, None]) * D + offs_d[None, :], dw,
+    tl.store(dw_ptr + (part * W + taps[:, None]) * D + offs_d[None, :], tl.sum(dw, axis=1),
              mask=(taps < W)[:, None] & d_ok[None, :])
-    tl.store(db_ptr + part * D + offs_d, db, mask=d_ok)
+    tl.store(db_ptr + part * D + offs_d, tl.sum(db, axis=0), mask=d_ok)
 
+
+@triton.jit
+def _dsource(dz_ptr, w_ptr, start_ptr, xrow, u, offs_d, d_ok, T, D, W: tl.constexpr, LO: tl.constexpr,
+             HAS_CU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dx at source positions u (u < 0: the prefix): the conv run in reverse over dz, each of the W
+    tokens u..u+W-1 counted where it sees u."""
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for s in tl.static_range(W):
+        q = u + s
+        q_ok = (q >= 0) & (q < T)
+        lo = _lowest_visible(start_ptr, q, q_ok, HAS_CU, LO)
+        dz = tl.load(dz_ptr + xrow + q[:, None] * D + offs_d[None, :],
+                     mask=(q_ok & (u >= lo))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        w_i = tl.load(w_ptr + offs_d * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
+        acc += dz * w_i[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_dx_kernel(dz_ptr, w_ptr, start_ptr, dx_ptr, dp_ptr, T, D, W: tl.constexpr, P_POW2: tl.constexpr,
+                    LO: tl.constexpr, HAS_CU: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Pass 2: dx, and the prefix's gradient (the program of the first tile owns it)."""
+    b = tl.program_id(2).to(tl.int64)
+    xrow, prow = b * T * D, b * (W - 1) * D
+    u = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    dxv = _dsource(dz_ptr, w_ptr, start_ptr, xrow, u, offs_d, d_ok, T, D, W, LO, HAS_CU, BLOCK_T, BLOCK_D)
+    tl.store(dx_ptr + xrow + u[:, None] * D + offs_d[None, :], dxv.to(dx_ptr.dtype.element_ty),
+             mask=(u < T)[:, None] & d_ok[None, :])
     if HAS_PREFIX:  # noqa: SIM102  (a constexpr test, kept apart from the runtime one)
-        if pid_c == 0:  # only the first W-1 tokens read the prefix: chunk 0 owns it
-            u = tl.arange(0, P_POW2).to(tl.int64) - (W - 1)
-            dpv, _, _ = _dinput(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, xrow, prow, u, offs_d, d_ok,
-                                T, D, W, LO, HAS_BIAS, HAS_CU, HAS_PREFIX, SILU, P_POW2, BLOCK_D)
-            tl.store(dp_ptr + prow + (u + W - 1)[:, None] * D + offs_d[None, :],
-                     dpv.to(dp_ptr.dtype.element_ty), mask=(u < 0)[:, None] & d_ok[None, :])
+        if tl.program_id(0) == 0:  # only the first W-1 tokens read the prefix
+            before = tl.arange(0, P_POW2).to(tl.int64) - (W - 1)  # positions -(W-1)..-1 (and padding)
+            dpv = _dsource(dz_ptr, w_ptr, start_ptr, xrow, before, offs_d, d_ok, T, D, W, LO, HAS_CU, P_POW2,
+                           BLOCK_D)
+            tl.store(dp_ptr + prow + (before + W - 1)[:, None] * D + offs_d[None, :],
+                     dpv.to(dp_ptr.dtype.element_ty), mask=(before < 0)[:, None] & d_ok[None, :])
 
 
 def _device_guard(x: torch.Tensor):
@@ -220,20 +229,26 @@ class _CausalConv1d(torch.autograd.Function):
         B, T, D = x.shape
         W = weight.shape[1]
         n_chunks = triton.cdiv(T, CHUNK_T)
+        # a chunk is a whole number of tiles: overlapping tiles would count dw twice
+        assert CHUNK_T % min(DZ_BLOCK_T, CHUNK_T) == 0, (CHUNK_T, DZ_BLOCK_T)
         dx = torch.empty_like(x)
+        # dz in dy's dtype: it rounds like dy did (dw and dbias use it unrounded, in registers)
+        dz = torch.empty_like(dy) if ctx.silu else dy
         dw = torch.empty(B * n_chunks, W, D, device=x.device, dtype=torch.float32)
         db = torch.empty(B * n_chunks, D, device=x.device, dtype=torch.float32)
         # The kernel writes dprefix only when the prefix is read at all (T > 0, W > 1).
         dp = None if prefix is None else (torch.empty_like if T and W > 1 else torch.zeros_like)(prefix)
         if x.numel():
             meta = _meta(weight, bias, prefix, start, ctx.silu)
-            grid = (n_chunks, triton.cdiv(D, BLOCK_D), B)
             with _device_guard(x):
-                _conv_bwd_kernel[grid](x, weight, _or_dummy(bias, x), _or_dummy(prefix, x),
-                                       _or_dummy(start, x), dy, dx, dw, db, _or_dummy(dp, x), T, D,
-                                       W_POW2=triton.next_power_of_2(W),
-                                       P_POW2=triton.next_power_of_2(max(W - 1, 1)),
-                                       BLOCK_T=BLOCK_T, CHUNK_T=CHUNK_T, **meta)
+                _conv_dz_kernel[(n_chunks, triton.cdiv(D, BLOCK_D), B)](
+                    x, weight, _or_dummy(bias, x), _or_dummy(prefix, x), _or_dummy(start, x), dy, dz, dw, db,
+                    T, D, W_POW2=triton.next_power_of_2(W), BLOCK_T=min(DZ_BLOCK_T, CHUNK_T), CHUNK_T=CHUNK_T,
+                    num_warps=DZ_WARPS, **meta)
+                _conv_dx_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), B)](
+                    dz, weight, _or_dummy(start, x), dx, _or_dummy(dp, x), T, D, W=W,
+                    P_POW2=triton.next_power_of_2(max(W - 1, 1)), LO=meta["LO"], HAS_CU=meta["HAS_CU"],
+                    HAS_PREFIX=meta["HAS_PREFIX"], BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
         dweight = dw.sum(0).t().contiguous().to(weight.dtype)  # [D, W]
         dbias = None if bias is None else db.sum(0).to(bias.dtype)
         return dx, dweight, dbias, dp, None, None

@@ -1,6 +1,12 @@
 """Shared memory of every GDN kernel launch, compiled for a GPU without one: runs on any machine.
 
     python tools/kernel_resources.py --dims 64,128,256 --dtypes bfloat16,float32 [--arch 90]
+    python tools/kernel_resources.py --block-kernels   # the conv, norm, RoPE and SwiGLU kernels
+
+--block-kernels compiles every launch of the block's other kernels (short conv with a prefix,
+documents and bias, and without an activation; the norms with and without a gate; RoPE; SwiGLU),
+forward and backward, in each dtype: a kernel that compiles in the CPU interpreter but not for the
+GPU (a tensor redefined with another shape in a branch, a libdevice call) fails here, without one.
 
 The wrapper (gdn_kernels.gated_delta_rule) runs its forward and backward on small CPU tensors with
 every Triton launch compiled for the target (sm_90: H100 / H200) instead of run. A launch whose
@@ -96,6 +102,28 @@ def gdn_launches(K: int, V: int, dtype: torch.dtype, arch: int, limit: int, head
     return launches
 
 
+def block_launches(dtype: torch.dtype, arch: int, limit: int) -> list:
+    """The launches of one forward + backward of the conv, norm, RoPE and SwiGLU kernels."""
+    from gdn_kernels import norms, rope, short_conv, swiglu
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
+    with compiled_instead_of_run(arch, limit) as launches:
+        x, w, b, prefix = leaf(1, 64, 16), leaf(16, 4), leaf(16), leaf(1, 3, 16)
+        short_conv.triton_causal_conv1d(x, w, b, "silu", torch.tensor([0, 10, 64]), prefix).sum().backward()
+        short_conv.triton_causal_conv1d(leaf(2, 8, 16), leaf(16, 4), None, None).sum().backward()
+        rows, gate = leaf(6, 32), leaf(6, 32)
+        norms.triton_rms_norm(rows, leaf(32), 1e-6, gate).sum().backward()
+        norms.triton_rms_norm(leaf(6, 32), leaf(32), 1e-6, out_dtype=torch.bfloat16).sum().backward()
+        norms.triton_l2_normalize(leaf(6, 32)).sum().backward()
+        rope.triton_rotary(leaf(2, 5, 3, 8), torch.arange(5).unsqueeze(0), torch.ones(4)).sum().backward()
+        g, u, dp = leaf(3, 37), leaf(3, 37), leaf(3, 37)
+        swiglu.silu_mul(g, u)
+        swiglu.silu_mul_backward(dp, g, u)
+    return launches
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dims", default="16,32,64,128,256", help="head dims to try, as K = V and K < V pairs")
@@ -103,7 +131,15 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper)")
     p.add_argument("--limit", type=int, default=HOPPER_SHARED_LIMIT, help="shared memory per block, bytes")
     p.add_argument("--out", default=None, help="JSON file for the table")
+    p.add_argument("--block-kernels", action="store_true",
+                   help="the conv, norm, RoPE and SwiGLU kernels instead")
     args = p.parse_args(argv)
+    if args.block_kernels:
+        for dtype_name in args.dtypes.split(","):
+            for name, _, options, shared in block_launches(getattr(torch, dtype_name), args.arch, args.limit):
+                print(f"{dtype_name:9s} {name:24s} {shared / 1024:7.1f} KB  {options}", flush=True)
+        print(f"triton {triton.__version__}, sm_{args.arch}: the block kernels compile")
+        return 0
     dims = [int(d) for d in args.dims.split(",")]
     pairs = sorted({(k, v) for k in dims for v in dims if v in (k, 2 * k)})
     rows, worst = [], 0

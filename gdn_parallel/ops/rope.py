@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from gdn_kernels.host_index import on_device
 
+from .triton_dispatch import auto_uses_triton, imported_kernel
 from .validation import check_cu_seqlens
 
 __all__ = ["positions_from_cu_seqlens", "document_ids_from_cu_seqlens", "apply_rotary"]
@@ -40,7 +41,8 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
 
     Channel pairs are (i, i + D/2) with frequency theta^(-2i/D); the angles are computed in fp32
     (bf16 positions/angles lose whole radians at long context) and the result is cast back to x.dtype.
-    `position_ids` is [B, T] or [T] (shared by the batch).
+    `position_ids` is [B, T] or [T] (shared by the batch). On CUDA the fused Triton kernel serves
+    (gdn_kernels.rope: x read and written once, the same angles); elsewhere the formula below.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a 4-D tensor [B, T, H, D], got {getattr(x, 'shape', type(x).__name__)}")
@@ -64,6 +66,8 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
 
     dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
     inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
+    if dtype == torch.float32 and auto_uses_triton(x, "rope"):
+        return imported_kernel("rope").triton_rotary(x, position_ids.to(x.device), inv_freq)
     freqs = position_ids.to(device=x.device, dtype=dtype).unsqueeze(-1) * inv_freq  # [B|1, T, D/2]
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B|1, T, 1, D]: broadcast over heads
     xf = x.to(dtype)

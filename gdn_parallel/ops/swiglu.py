@@ -8,12 +8,20 @@ elementwise pass from gate and up, so the backward recomputes them:
     dW = dout^T p,   dp = dout W,   dgate = dp * up * silu'(gate),   dup = dp * silu(gate)
     silu'(g) = s (1 + g (1 - s)),  s = sigmoid(g)
 
+On CUDA the elementwise parts run as fused Triton kernels (gdn_kernels.swiglu: p in one pass,
+dgate and dup together in another, fp32 math inside); elsewhere, as the aten kernels below.
+
+The weight is cast to the activations' dtype once per call, in the forward, and that copy is saved
+for the backward (as autograd through F.linear under autocast would save it).
+
 `swiglu_down_reference` is the oracle: the same formula through plain autograd.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .triton_dispatch import auto_uses_triton, imported_kernel
 
 
 def swiglu_down_reference(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -33,26 +41,38 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> t
         return _SwiGLUDown.apply(gate, up, weight)
 
 
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if auto_uses_triton(gate, "swiglu"):
+        return imported_kernel("swiglu").silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def _silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor,
+                       up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if auto_uses_triton(gate, "swiglu"):
+        return imported_kernel("swiglu").silu_mul_backward(dp, gate, up)
+    # the kernels and dtypes of autograd through the plain formula (products in the activations'
+    # dtype, silu's derivative in aten's fused kernel)
+    return torch.ops.aten.silu_backward(dp * up, gate), dp * F.silu(gate)
+
+
 class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight):
-        ctx.save_for_backward(gate, up, weight)
-        return F.linear(F.silu(gate) * up, weight.to(gate.dtype))
+        w16 = weight.to(gate.dtype)  # the weight itself when the dtypes match
+        ctx.save_for_backward(gate, up, w16)
+        ctx.weight_dtype = weight.dtype
+        return F.linear(_silu_mul(gate, up), w16)
 
     @staticmethod
     def backward(ctx, dout):
-        # The same kernels and dtypes as autograd through the plain formula (products in the
-        # activations' dtype, silu's derivative in aten's fused kernel), plus the recomputation.
-        gate, up, weight = ctx.saved_tensors
+        gate, up, w16 = ctx.saved_tensors
         dout = dout.to(gate.dtype)
-        silu = F.silu(gate)
         dweight = None
         if ctx.needs_input_grad[2]:
-            product = silu * up
+            product = _silu_mul(gate, up)  # recomputed, not saved
             dweight = dout.reshape(-1, dout.shape[-1]).t() @ product.reshape(-1, product.shape[-1])
-            dweight = dweight.to(weight.dtype)
+            dweight = dweight.to(ctx.weight_dtype)
             del product
-        dp = dout @ weight.to(gate.dtype)
-        dgate = torch.ops.aten.silu_backward(dp * up, gate)
-        dup = dp * silu
+        dgate, dup = _silu_mul_backward(dout @ w16, gate, up)
         return dgate, dup, dweight

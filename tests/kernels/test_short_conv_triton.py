@@ -69,6 +69,7 @@ def test_matches_torch_fp16(case):
 def test_small_tiles_many_programs(monkeypatch):
     """Several token chunks, channel blocks and tiles per chunk, at interpreter-sized shapes."""
     monkeypatch.setattr(sc, "BLOCK_T", 8)
+    monkeypatch.setattr(sc, "DZ_BLOCK_T", 8)
     monkeypatch.setattr(sc, "BLOCK_D", 16)
     monkeypatch.setattr(sc, "CHUNK_T", 16)
     _compare((1, 40, 24, 4, [0, 3, 4, 21, 40], True, True, "silu"), torch.float32, 1e-5)

@@ -1,7 +1,9 @@
-"""swiglu_down against its autograd oracle: output and every gradient, float64 and bf16."""
+"""swiglu_down against its autograd oracle: output and every gradient, float64 and bf16; the CPU path
+(the Triton kernels, tests/kernels/test_swiglu_triton.py, serve CUDA only)."""
 import pytest
 import torch
 
+import gdn_parallel.ops.swiglu as ops_swiglu
 from gdn_parallel.ops.swiglu import swiglu_down, swiglu_down_reference
 from tests.compare import assert_close_set
 from tests.seeds import generator
@@ -33,6 +35,27 @@ def test_half_activations_with_fp32_weight():
     want = _run(swiglu_down_reference, gate.double(), up.double(), weight.double(), dout.double())
     assert got["dweight"].dtype == torch.float32 and got["out"].dtype == torch.bfloat16
     assert_close_set({k: v.double() for k, v in got.items()}, want, 2e-2, "bf16")
+
+
+def test_weight_cast_once_and_saved_in_the_activation_dtype():
+    gate, up = (torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    weight = torch.randn(8, 16, requires_grad=True)
+    out = swiglu_down(gate, up, weight)
+    assert [t.dtype for t in out.grad_fn.saved_tensors] == [torch.bfloat16] * 3  # not the fp32 weight
+    out.sum().backward()
+    assert weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_stays_on_the_torch_path(monkeypatch, dtype):
+    def no_kernels(name):
+        raise AssertionError(f"gdn_kernels.{name} asked for on the CPU")
+
+    monkeypatch.setattr(ops_swiglu, "imported_kernel", no_kernels)
+    gate, up = (torch.randn(3, 37, dtype=dtype, requires_grad=True) for _ in range(2))
+    weight = torch.randn(5, 37, requires_grad=True)
+    swiglu_down(gate, up, weight).sum().backward()
+    assert gate.grad is not None and up.grad is not None and weight.grad is not None
 
 
 def test_rejects_mismatched_inputs():

@@ -1,0 +1,81 @@
+"""Rotary position embedding in Triton, forward and backward in one kernel ("rotate_half" layout).
+
+Channel pairs of a head are (i, i + D/2), rotated by the angle a = p * f_i of the token's position p
+and the pair's frequency f_i:
+
+    y1 = x1 cos a - x2 sin a        y2 = x2 cos a + x1 sin a
+
+The rotation is orthogonal, so the backward is the same kernel with the angle negated. Angles are
+p * f_i in fp32 from the frequencies the caller computes (so both paths round them alike), cos and
+sin are taken in registers: x is read once and y written once, where the PyTorch formula makes an
+fp32 copy, a rotated copy and three broadcast products, each a pass over memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+__all__ = ["triton_rotary"]
+
+BLOCK_ROWS = 16  # (token, head) rows per program
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # libdevice does not run in the interpreter
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, rows, heads, T, pos_rows, HALF, SIGN: tl.constexpr,
+                   INTERPRET: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (token, head) rows
+    col = tl.arange(0, BLOCK_HALF)
+    row_ok, col_ok = row < rows, col < HALF
+    token = row // heads
+    # positions are [pos_rows, T]: one row per sequence, or one shared by the batch
+    p = tl.load(pos_ptr + (token // T % pos_rows) * T + token % T, mask=row_ok, other=0)
+    angle = p.to(tl.float32)[:, None] * tl.load(freq_ptr + col, mask=col_ok, other=0.0)[None, :]
+    # libdevice's cos and sin reduce large angles exactly (positions reach 1M); tl.cos may lower to
+    # the approximate instruction, which does not
+    if INTERPRET:
+        cos, sin = tl.cos(angle), tl.sin(angle) * SIGN
+    else:
+        cos, sin = libdevice.cos(angle), libdevice.sin(angle) * SIGN
+    m = row_ok[:, None] & col_ok[None, :]
+    first = row[:, None] * (2 * HALF) + col[None, :]
+    x1 = tl.load(x_ptr + first, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + first, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + first + HALF, (x2 * cos + x1 * sin).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, sign: int) -> torch.Tensor:
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)
+    rows = B * T * H
+    if rows:
+        guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+        with guard:
+            _rotary_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
+                x, positions, freqs, y, rows, H, T, positions.shape[0], D // 2, SIGN=sign,
+                INTERPRET=_INTERPRET, BLOCK_ROWS=BLOCK_ROWS, BLOCK_HALF=triton.next_power_of_2(D // 2))
+    return y
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, freqs):
+        ctx.save_for_backward(positions, freqs)
+        return _rotate(x.contiguous(), positions, freqs, 1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        positions, freqs = ctx.saved_tensors
+        return _rotate(dy.contiguous(), positions, freqs, -1), None, None
+
+
+def triton_rotary(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by positions [B or 1, T] (integers, x's device) at freqs [D/2] (fp32);
+    output in x's dtype, differentiable in x. Arguments are checked by gdn_parallel.ops.rope."""
+    return _Rotary.apply(x, positions.contiguous(), freqs.contiguous())
