@@ -44,47 +44,65 @@ from tools.bench_common import free_memory, is_oom, timed_ms  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="configs/gdn-1.3b.yaml")
-    p.add_argument("--batches", default="2", help="comma-separated optimizer batch sizes (sequences)")
+    p.add_argument("--batches", default="2",
+                   help="comma-separated optimizer batch sizes (sequences) of the bare steps; \"\": none")
     p.add_argument("--micro", type=int, default=0, help="sequences per forward/backward (0: the whole batch)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the config's)")
     p.add_argument("--ac", default="none", help="comma-separated activation checkpointing modes of ours")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--peer-micro", type=int, default=0,
+                   help="fla-core's sequences per forward/backward where --micro does not fit (0: --micro)")
     p.add_argument("--trainer", type=int, default=0, metavar="STEPS",
                    help="also time the real trainer over STEPS steps per config (>= 8; 0: not)")
+    p.add_argument("--trainer-set", action="append", default=[], metavar="KEY=V[;KEY=V...]",
+                   help="a variant of the trainer rows: these --set overrides (repeatable: one variant each)")
     p.add_argument("--account", action="store_true", help="per-component account of saved activations")
     p.add_argument("--account-batch", type=int, default=2)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_train.json"))
     return p.parse_args(argv)
 
 
-def trainer_row(path: str, steps: int, out: str) -> dict:
-    """The trainer's own steps at the config's settings, in a process of its own (module docstring)."""
+TRAINER_TIMEOUT_S = 300  # a trainer row that hangs must not take the rest of the run with it
+
+
+def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()) -> dict:
+    """The trainer's own steps at the config's settings (and `overrides`, KEY=VALUE), in a process of
+    its own (module docstring)."""
     import statistics
     import subprocess
     if steps < 8:
         raise SystemExit(f"--trainer {steps}: give at least 8 steps (warm-up, profiled, steady)")
-    run_dir = Path(out).parent / "bench_trainer" / Path(path).stem
+    variant = "-".join(o.replace("=", "_").replace(".", "_") for o in overrides)
+    run_dir = Path(out).parent / "bench_trainer" / (Path(path).stem + (f"-{variant}" if variant else ""))
     window = f"{steps - 4},{steps - 3}"
     command = [sys.executable, "-m", "gdn_parallel.train", "--config", path, "--set", f"train.steps={steps}",
                "--set", "train.warmup_steps=2", "--set", "train.log_every=1", "--set", "train.eval_every=0",
                "--set", "checkpoint.enabled=false", "--set", f"train.out_dir={run_dir}",
-               "--set", f"train.profile_steps={window}"]
-    done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
-    row = {"model": "trainer", "batch": Config.from_yaml(path).train.batch_size,
-           "micro": Config.from_yaml(path).train.microbatch_rows, "command": " ".join(command[1:])}
+               "--set", f"train.profile_steps={window}", *[x for o in overrides for x in ("--set", o)]]
+    try:
+        done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                              text=True, timeout=TRAINER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        return {"model": "trainer", "batch": 0, "micro": 0, "command": " ".join(command[1:]),
+                "error": f"no result within {TRAINER_TIMEOUT_S} s: {str(err.stdout or '')[-300:]}"}
+    train = Config.from_yaml(path, list(overrides)).train
+    row = {"model": "trainer" + (f" {' '.join(overrides)}" if overrides else ""), "batch": train.batch_size,
+           "micro": train.microbatch_rows, "command": " ".join(command[1:])}
     if done.returncode != 0:
         return {**row, "error": (done.stdout + done.stderr)[-600:]}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines = [r for r in records if "tokens_per_s" in r and isinstance(r.get("step"), int)]
-    steady = [r for r in lines if r["step"] >= 3 and not steps - 4 <= r["step"] <= steps - 3]
+    # the profiled steps and the one before them (the profiler starts there) left out
+    steady = [r for r in lines if r["step"] >= 3 and not steps - 5 <= r["step"] <= steps - 3]
     profile = json.loads((run_dir / "profile" / "buckets_rank0.json").read_text())
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     return {**row, "tokens_per_s": tokens_per_s, "step_ms": None, "mfu": statistics.median(
                 r["mfu"] or 0.0 for r in steady) or None,
             "peak_gib": max(r["mem_mib"] for r in lines) / 1024, "idle_share": profile["idle_share"],
-            "profile_wall_ms": profile["wall_ms"], "buckets_ms": profile["buckets_ms"]}
+            "profile_wall_ms": profile["wall_ms"], "buckets_ms": profile["buckets_ms"],
+            "top_kernels": profile["top"]}
 
 
 def random_rows(batch: int, seq_len: int, vocab: int, device, seed: int = 0):
@@ -224,14 +242,14 @@ def main(argv=None) -> int:
         config = Config.from_yaml(path)
         seq_len = args.seq_len or config.train.seq_len
         config.train.seq_len = seq_len
-        if args.trainer:
-            results.append({"config": path, **trainer_row(path, args.trainer, args.out)})
+        for variant in [()] + [tuple(v.split(";")) for v in args.trainer_set] if args.trainer else []:
+            results.append({"config": path, **trainer_row(path, args.trainer, args.out, variant)})
             print(json.dumps(results[-1]), flush=True)
             write_payload()
         if args.account:
             accounts[path] = account_saved_activations(config, args.account_batch, device)
             free_memory(device)
-        for batch in [int(b) for b in args.batches.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",") if b]:  # "": trainer rows only
             micro = args.micro or batch
             for ac in args.ac.split(","):
                 model, loss_sum, fpt = ours(config, ac, device)
@@ -245,7 +263,7 @@ def main(argv=None) -> int:
             peer = None if args.no_fla else fla_peer(config, device)
             if peer is not None:
                 model, loss_sum = peer
-                row = measure("fla-core", model, loss_sum, fpt, batch, micro, seq_len,
+                row = measure("fla-core", model, loss_sum, fpt, batch, args.peer_micro or micro, seq_len,
                               config.model.vocab_size, args, device)
                 results.append({"config": path, **row})
                 print(json.dumps(results[-1]), flush=True)
@@ -268,9 +286,11 @@ def main(argv=None) -> int:
               + (f"  GPU idle {r['idle_share']:.1%}" if r.get("idle_share") is not None else ""))
     for r in results:
         if r.get("buckets_ms"):
-            print(f"\ntrainer profile, {Path(r['config']).name}: {r['profile_wall_ms']:.1f} ms a step")
+            print(f"\n{r['model']} profile, {Path(r['config']).name}: {r['profile_wall_ms']:.1f} ms a step")
             for bucket, ms in sorted(r["buckets_ms"].items(), key=lambda item: -item[1]):
                 print(f"  {bucket:20s} {ms:9.2f} ms")
+            for kernel in r.get("top_kernels", []):
+                print(f"    {kernel['ms_per_step']:8.2f} ms  {kernel['name'][:100]}")
     for path, acc in accounts.items():
         print(f"\nsaved activations, {Path(path).name}, batch {acc['batch']} x {acc['seq_len']}: "
               f"{acc['total_gib']:.2f} GiB")

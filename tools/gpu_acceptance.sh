@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance run of the real job, in parts that each fit one 10-minute device call:
 #   bash tools/gpu_acceptance.sh smoke    bash tools/gpu_acceptance.sh tests    bash tools/gpu_acceptance.sh bench
+#   bash tools/gpu_acceptance.sh bench04   (the 0.4b configs; bench takes the 1.3b ones)
 #   bash tools/gpu_acceptance.sh fp32_256  (the one fp32 K = V = 256 case: minutes of compilation)
 # Results and logs under $OUT (device tool) or runs/gpu_acceptance.
 # 1. tools/gpu_smoke.py: every config trains 20 steps at its own batch (finite, falling loss);
@@ -38,11 +39,11 @@ if [[ " $parts " == *" tests "* ]]; then
     step lce_norms 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_linear_cross_entropy.py \
         tests/kernels/test_norms_triton.py &
     step conv_gates 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_short_conv_triton.py \
-        tests/kernels/test_gates_triton.py &
+        tests/kernels/test_gates_triton.py tests/kernels/test_rope_triton.py tests/kernels/test_swiglu_triton.py &
     step model_jobs 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_model_gpu.py \
         tests/kernels/test_real_job_gpu.py tests/kernels/test_no_sync_gpu.py &
     step resume 420 python3 -m pytest -q "${T[@]}" tests/checkpoint/test_resume_gpu.py &
-    step convert 420 python3 -m pytest -q "${T[@]}" tests/convert &
+    step convert 420 python3 -m pytest -q -s "${T[@]}" tests/convert &  # -s: the generation test prints its continuations
     wait
     for log in "$out"/{gdn_heads_fp32,gdn_heads_half,gdn_rest,lce_norms,conv_gates,model_jobs,resume,convert}.log; do
         echo "-- $(basename "$log" .log): $(grep -E "passed|failed|skipped|error" "$log" | tail -1)"
@@ -54,9 +55,16 @@ if [[ " $parts " == *" fp32_256 "* ]]; then
         tests/kernels/test_gated_delta_rule_triton.py -k "every_head_size and float32 and 256-256"
     tail -3 "$out/fp32_256.log"
 fi
-if [[ " $parts " == *" bench "* ]]; then
-    step bench_train 560 python3 tools/bench_train.py --trainer 20 --batches 8 --micro 2 --warmup 1 --iters 3 \
-        --configs configs/gdn-0.4b.yaml,configs/gdn-1.3b.yaml,configs/h1-0.4b.yaml,configs/h1-1.3b.yaml \
-        --out "$out/bench_train.json"
+if [[ " $parts " == *" bench "* ]]; then  # the 1.3b pair: ~7 minutes (fla-core's autotune cache carried)
+    step bench_train 560 python3 tools/bench_train.py --trainer 20 --batches 8 --micro 4 --peer-micro 2 \
+        --warmup 1 --iters 3 --configs configs/gdn-1.3b.yaml,configs/h1-1.3b.yaml --out "$out/bench_train.json"
     grep -v '^{' "$out/bench_train.log" | tail -40
 fi
+if [[ " $parts " == *" bench04 "* ]]; then  # the 0.4b pair, and their micro-batches of 4 beside the whole batch
+    step bench_train_04b 560 python3 tools/bench_train.py --trainer 20 --trainer-set train.microbatch_size=4 \
+        --batches 8 --micro 4 --warmup 1 --iters 3 --configs configs/gdn-0.4b.yaml,configs/h1-0.4b.yaml \
+        --out "$out/bench_train_04b.json"
+    grep -v '^{' "$out/bench_train_04b.log" | tail -40
+fi
+# The trainer rows' chrome traces (bench_trainer/*/profile/trace_rank0.json) are tens of MB each: leave
+# them out of what comes back from the device (tar --exclude='trace_*').

@@ -63,29 +63,45 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
+        if self.steps is not None and step == max(0, self.steps[0] - 1) and self._profile is None:
+            self._begin(warm_up=step < self.steps[0])
         if self.steps is not None and step == self.steps[0]:
-            self._begin()
+            self._start_window()
         try:
             yield
         finally:
-            if self._profile is not None:
-                self._profiled += 1
-                if self.steps is not None and step == self.steps[1]:
-                    self._end()
+            if self._profile is not None and self.steps is not None:
+                if step >= self.steps[0]:
+                    self._profiled += 1
+                if step == self.steps[1]:
+                    self._end()  # before the schedule's last step(), which processes the trace
+                else:
+                    self._profile.step()
 
     def close(self) -> None:
         """A run that ended inside the window (a stop asked for): write what was profiled."""
-        if self._profile is not None:
+        if self._profile is not None and self._profiled:
             self._end()
+        elif self._profile is not None:  # stopped in the warm-up step: nothing to write
+            self._profile.__exit__(None, None, None)
+            self._profile = None
 
-    def _begin(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
+    def _begin(self, warm_up: bool) -> None:
+        """The profiler starts one step before the window where there is one: its own start-up (CUPTI)
+        then falls in that step, which is recorded nowhere, instead of showing as idle time."""
+        from torch.profiler import ProfilerActivity, profile, schedule
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-            torch.cuda.synchronize(self.device)
-        self._profile = profile(activities=activities)
+        assert self.steps is not None
+        active = self.steps[1] - self.steps[0] + 1
+        self._profile = profile(activities=activities,
+                                schedule=schedule(wait=0, warmup=int(warm_up), active=active, repeat=1))
         self._profile.__enter__()
+
+    def _start_window(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._start = time.perf_counter()
 
     def _end(self) -> None:
@@ -94,7 +110,7 @@ class StepProfiler:
         wall_ms = (time.perf_counter() - self._start) * 1e3
         profile, self._profile = self._profile, None
         assert profile is not None
-        profile.__exit__(None, None, None)
+        profile.__exit__(None, None, None)  # stops the recording wherever the schedule stands
         first = self.steps[0] if self.steps is not None else 0
         count = max(1, self._profiled)
         table = bucket_table(profile, wall_ms, count, self.device.type == "cuda")
@@ -113,7 +129,10 @@ def bucket_table(profile, wall_ms: float, steps: int, on_gpu: bool) -> dict:
     totals = dict.fromkeys(BUCKETS, 0.0)
     kernels: dict[str, float] = {}
     if on_gpu:
-        events = [e for e in profile.events() if e.device_type == DeviceType.CUDA]
+        # kernels only: user annotations mirrored onto the GPU's timeline (ProfilerStep#N spans the
+        # whole step, Optimizer.step#AdamW.step its optimizer) would count as busy time
+        events = [e for e in profile.events() if e.device_type == DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")]
         for event in events:
             duration = event.time_range.elapsed_us() / 1e3
             totals[bucket_of(event.name)] += duration
@@ -127,7 +146,7 @@ def bucket_table(profile, wall_ms: float, steps: int, on_gpu: bool) -> dict:
                 kernels[row.key] = kernels.get(row.key, 0.0) + own
         busy = sum(totals.values())
     per_step = {bucket: ms / steps for bucket, ms in totals.items()}
-    top = sorted(kernels.items(), key=lambda item: -item[1])[:15]
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     return {"device": "gpu" if on_gpu else "cpu", "wall_ms": wall_ms / steps, "busy_ms": busy / steps,
             "idle_share": max(0.0, 1 - busy / wall_ms) if on_gpu and wall_ms > 0 else None,
             "buckets_ms": per_step, "top": [{"name": n[:120], "ms_per_step": t / steps} for n, t in top]}

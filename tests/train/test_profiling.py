@@ -87,3 +87,44 @@ def test_a_run_stopped_inside_the_window_writes_the_steps_it_profiled(tmp_path):
     assert table["steps"] == [1, 2] and "steps 1-2" in lines[0]
     profiler.close()  # nothing left to write
     assert len([line for line in lines if "steps 1-2" in line]) == 1
+
+
+def test_the_step_before_the_window_warms_the_profiler_up_and_is_not_recorded(tmp_path):
+    """The profiler starts a step early (its own start-up, CUPTI on a GPU, lands there and would
+    otherwise count as idle time); only the named steps are in the trace and the table."""
+    import torch
+
+    from gdn_parallel.train.profiling import StepProfiler
+    lines = []
+    profiler = StepProfiler((2, 3), str(tmp_path), 0, torch.device("cpu"), lines.append)
+    for step in range(5):
+        with profiler.around(step), torch.profiler.record_function(f"marker_of_step_{step}"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    profiler.close()
+    names = {event.get("name") for event in
+             json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]}
+    assert {"marker_of_step_2", "marker_of_step_3"} <= names
+    assert not names & {"marker_of_step_0", "marker_of_step_1", "marker_of_step_4"}
+    assert json.loads((tmp_path / "profile" / "buckets_rank0.json").read_text())["steps"] == [2, 3]
+
+
+def test_gpu_busy_time_counts_kernels_not_the_annotations_on_the_gpu_timeline():
+    """ProfilerStep#N and record_function ranges appear on the GPU's timeline as user annotations
+    spanning their kernels: counted, they made a step look 99.7% busy whatever its gaps."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from gdn_parallel.train.profiling import bucket_table
+
+    def event(name, start_us, end_us, annotation=False):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start_us, end=end_us,
+                                                          elapsed_us=lambda: end_us - start_us))
+    events = [event("ProfilerStep#7", 0, 10_000, annotation=True),
+              event("Optimizer.step#AdamW.step", 6_000, 9_000, annotation=True),
+              event("nvjet_sm90_gemm", 0, 4_000), event("_norm_bwd", 5_000, 6_000)]
+    table = bucket_table(SimpleNamespace(events=lambda: events), wall_ms=10.0, steps=1, on_gpu=True)
+    assert table["busy_ms"] == 5.0 and abs(table["idle_share"] - 0.5) < 1e-12
+    assert table["buckets_ms"]["matmul"] == 4.0 and table["buckets_ms"]["conv + norm"] == 1.0
+    assert table["buckets_ms"]["optimizer"] == 0.0 and table["buckets_ms"]["other elementwise"] == 0.0
