@@ -39,7 +39,8 @@ __all__ = ["triton_causal_conv1d"]
 BLOCK_T = 32
 BLOCK_D = 64
 # Backward pass 1 (dz, dw, dbias): tokens per program, so dw partial sums are [T / CHUNK_T, W, D] fp32
-# (8 MB at T=64K, D=2K); its tiles are shorter, as it keeps W + 1 accumulator tiles in registers.
+# (8 MB at T=64K, D=2K), and its token tile: it keeps W + 1 accumulator tiles in registers; 32 tokens
+# ran the 1024-channel conv 1.4x faster than 16 on an H100 (tools/bench_block_kernels.py).
 CHUNK_T = 256
 DZ_BLOCK_T = 32
 DZ_WARPS = 4
