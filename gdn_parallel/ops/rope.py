@@ -18,22 +18,27 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=No
     """Index of the document each of the `total` tokens belongs to (int64, on `device`, by default
     cu_seqlens' own). Host boundaries with a GPU `device`: checked on the host, copied once per tensor
     (no device sync)."""
-    cu = check_cu_seqlens(cu_seqlens, 1, total)
-    if device is not None:
-        cu = on_device(cu, device)
-    tokens = torch.arange(total, device=cu.device)
-    # A token belongs to document d iff cu[d] <= t < cu[d+1]: count the document ends <= t.
-    return torch.searchsorted(cu[1:], tokens, right=True)
+    return _document_ids(_checked_on(cu_seqlens, total, device), total)
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
     """Position of each token inside its own document: 0 at every document start (int64, on `device`
     as in document_ids_from_cu_seqlens)."""
+    cu = _checked_on(cu_seqlens, total, device)
+    return torch.arange(total, device=cu.device) - cu[_document_ids(cu, total)]
+
+
+def _checked_on(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
+    """The boundaries checked where they are (read on the host), then placed on `device`: checking
+    after the copy would read them back from the device."""
     cu = check_cu_seqlens(cu_seqlens, 1, total)
-    if device is not None:
-        cu = on_device(cu, device)
-    doc = document_ids_from_cu_seqlens(cu, total)
-    return torch.arange(total, device=cu.device) - cu[doc]
+    return cu if device is None else on_device(cu, device)
+
+
+def _document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    tokens = torch.arange(total, device=cu.device)
+    # A token belongs to document d iff cu[d] <= t < cu[d+1]: count the document ends <= t.
+    return torch.searchsorted(cu[1:], tokens, right=True)
 
 
 def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:

@@ -111,3 +111,14 @@ def test_moved_batches_keep_boundaries_and_their_label_count():
     import dataclasses
     relabelled = dataclasses.replace(batch, labels=torch.full_like(batch.labels, IGNORE_INDEX))
     assert relabelled.label_count() == 0  # replace() does not carry the old count
+
+
+def test_document_bookkeeping_checks_host_boundaries_before_placing_them():
+    """Boundaries on the host, results on another device ("meta": its values cannot be read back,
+    as a GPU's would be read only through a sync): checked once on the host, then placed."""
+    from gdn_parallel.ops.rope import document_ids_from_cu_seqlens, positions_from_cu_seqlens
+    cu = torch.tensor([0, 3, 8])
+    for fn in (document_ids_from_cu_seqlens, positions_from_cu_seqlens):
+        placed = fn(cu, 8, device="meta")
+        assert placed.device.type == "meta" and placed.shape == (8,)
+    assert positions_from_cu_seqlens(cu, 8).tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
