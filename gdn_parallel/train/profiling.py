@@ -60,18 +60,19 @@ class StepProfiler:
         self._profile = None
         self._start = 0.0
         self._profiled = 0  # steps run under the profiler so far
+        self._first = 0  # the first step it records (later than steps[0] in a run resumed inside them)
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
-        if self.steps is not None and step == max(0, self.steps[0] - 1) and self._profile is None:
-            self._begin(warm_up=step < self.steps[0])
-        if self.steps is not None and step == self.steps[0]:
+        if self._profile is None and self.steps is not None and self.steps[0] - 1 <= step <= self.steps[1]:
+            self._begin(step)
+        if self._profile is not None and step == self._first:
             self._start_window()
         try:
             yield
         finally:
             if self._profile is not None and self.steps is not None:
-                if step >= self.steps[0]:
+                if step >= self._first:
                     self._profiled += 1
                 if step == self.steps[1]:
                     self._end()  # before the schedule's last step(), which processes the trace
@@ -86,17 +87,18 @@ class StepProfiler:
             self._profile.__exit__(None, None, None)
             self._profile = None
 
-    def _begin(self, warm_up: bool) -> None:
-        """The profiler starts one step before the window where there is one: its own start-up (CUPTI)
-        then falls in that step, which is recorded nowhere, instead of showing as idle time."""
+    def _begin(self, step: int) -> None:
+        """The profiler starts one step before the window where it can: its own start-up (CUPTI) then
+        falls in that step, which is recorded nowhere, instead of showing as idle time."""
         from torch.profiler import ProfilerActivity, profile, schedule
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         assert self.steps is not None
-        active = self.steps[1] - self.steps[0] + 1
-        self._profile = profile(activities=activities,
-                                schedule=schedule(wait=0, warmup=int(warm_up), active=active, repeat=1))
+        self._first = max(step, self.steps[0])
+        warm_up = int(step < self._first)
+        self._profile = profile(activities=activities, schedule=schedule(
+            wait=0, warmup=warm_up, active=self.steps[1] - self._first + 1, repeat=1))
         self._profile.__enter__()
 
     def _start_window(self) -> None:
@@ -111,10 +113,9 @@ class StepProfiler:
         profile, self._profile = self._profile, None
         assert profile is not None
         profile.__exit__(None, None, None)  # stops the recording wherever the schedule stands
-        first = self.steps[0] if self.steps is not None else 0
         count = max(1, self._profiled)
         table = bucket_table(profile, wall_ms, count, self.device.type == "cuda")
-        table["steps"] = [first, first + count - 1]
+        table["steps"] = [self._first, self._first + count - 1]
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             profile.export_chrome_trace(str(self.folder / f"trace_rank{self.rank}.json"))

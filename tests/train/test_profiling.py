@@ -128,3 +128,20 @@ def test_gpu_busy_time_counts_kernels_not_the_annotations_on_the_gpu_timeline():
     assert table["busy_ms"] == 5.0 and abs(table["idle_share"] - 0.5) < 1e-12
     assert table["buckets_ms"]["matmul"] == 4.0 and table["buckets_ms"]["conv + norm"] == 1.0
     assert table["buckets_ms"]["optimizer"] == 0.0 and table["buckets_ms"]["other elementwise"] == 0.0
+
+
+def test_a_run_resumed_inside_the_window_profiles_the_steps_it_runs(tmp_path):
+    """No warm-up step before a resumed run's first step: the window's remaining steps are profiled."""
+    import torch
+
+    from gdn_parallel.train.profiling import StepProfiler
+    lines = []
+    profiler = StepProfiler((2, 4), str(tmp_path), 0, torch.device("cpu"), lines.append)
+    for step in range(3, 6):  # resumed at step 3
+        with profiler.around(step), torch.profiler.record_function(f"marker_of_step_{step}"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    profiler.close()
+    names = {event.get("name") for event in
+             json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]}
+    assert {"marker_of_step_3", "marker_of_step_4"} <= names and "marker_of_step_5" not in names
+    assert json.loads((tmp_path / "profile" / "buckets_rank0.json").read_text())["steps"] == [3, 4]
