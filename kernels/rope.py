@@ -12,13 +12,14 @@ fp32 copy, a rotated copy and three broadcast products, each a pass over memory.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from .launch_device import on_tensors_device
 
 __all__ = ["triton_rotary"]
 
@@ -55,8 +56,7 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, sign:
     y = torch.empty_like(x)
     rows = B * T * H
     if rows:
-        guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-        with guard:
+        with on_tensors_device(x):
             _rotary_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
                 x, positions, freqs, y, rows, H, T, positions.shape[0], D // 2, SIGN=sign,
                 INTERPRET=_INTERPRET, BLOCK_ROWS=BLOCK_ROWS, BLOCK_HALF=triton.next_power_of_2(D // 2))

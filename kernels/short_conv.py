@@ -24,13 +24,12 @@ validated by `gdn_parallel.ops.short_conv.causal_conv1d`; this module trusts the
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from .host_index import on_device
+from .launch_device import on_tensors_device
 
 __all__ = ["triton_causal_conv1d"]
 
@@ -188,11 +187,6 @@ def _conv_dx_kernel(dz_ptr, w_ptr, start_ptr, dx_ptr, dp_ptr, T, D, W: tl.conste
                      dpv.to(dp_ptr.dtype.element_ty), mask=(before < 0)[:, None] & d_ok[None, :])
 
 
-def _device_guard(x: torch.Tensor):
-    # Triton launches on the current CUDA device; make it x's (ranks may hold several devices).
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def _meta(weight, bias, prefix, start, silu):
     W = weight.shape[1]
     has_prefix = prefix is not None and W > 1
@@ -216,7 +210,7 @@ class _CausalConv1d(torch.autograd.Function):
         if y.numel():
             meta = _meta(weight, bias, prefix, start, silu)
             grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), B)
-            with _device_guard(x):
+            with on_tensors_device(x):
                 _conv_fwd_kernel[grid](x, weight, _or_dummy(bias, x), _or_dummy(prefix, x),
                                        _or_dummy(start, x), y, T, D, BLOCK_T=BLOCK_T, **meta)
         ctx.save_for_backward(x, weight, bias, prefix, start)
@@ -241,7 +235,7 @@ class _CausalConv1d(torch.autograd.Function):
         dp = None if prefix is None else (torch.empty_like if T and W > 1 else torch.zeros_like)(prefix)
         if x.numel():
             meta = _meta(weight, bias, prefix, start, ctx.silu)
-            with _device_guard(x):
+            with on_tensors_device(x):
                 _conv_dz_kernel[(n_chunks, triton.cdiv(D, BLOCK_D), B)](
                     x, weight, _or_dummy(bias, x), _or_dummy(prefix, x), _or_dummy(start, x), dy, dz, dw, db,
                     T, D, W_POW2=triton.next_power_of_2(W), BLOCK_T=min(DZ_BLOCK_T, CHUNK_T), CHUNK_T=CHUNK_T,

@@ -20,11 +20,11 @@ validates its arguments. Deterministic: no reductions.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from .launch_device import on_tensors_device
 
 __all__ = ["silu_mul", "silu_mul_backward"]
 
@@ -56,11 +56,6 @@ def _silu_mul_bwd(DP, G, U, DG, DU, N, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dp * g * s).to(DU.dtype.element_ty), mask=mask)
 
 
-def _device_guard(x: torch.Tensor):
-    # Triton launches on the current CUDA device; make it x's (ranks may hold several devices).
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def _check(*tensors: torch.Tensor) -> None:
     first = tensors[0]
     if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors[1:]):
@@ -75,7 +70,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     p = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        with _device_guard(gate):
+        with on_tensors_device(gate):
             _silu_mul_fwd[(triton.cdiv(n, BLOCK),)](gate, up, p, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return p
 
@@ -89,7 +84,7 @@ def silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor,
     dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        with _device_guard(gate):
+        with on_tensors_device(gate):
             _silu_mul_bwd[(triton.cdiv(n, BLOCK),)](dp, gate, up, dgate, dup, n, BLOCK=BLOCK,
                                                     num_warps=NUM_WARPS)
     return dgate, dup

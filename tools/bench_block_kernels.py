@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_parallel.model.norm import rms_norm  # noqa: E402
 from gdn_parallel.ops.short_conv import causal_conv1d  # noqa: E402
 from gdn_parallel.ops.triton_dispatch import kernel_module  # noqa: E402
+from gdn_parallel.verify.compare import relative_error  # noqa: E402
 from tools.bench_common import timed_ms  # noqa: E402
 
 CONV_SETTINGS = [  # DZ_BLOCK_T, DZ_WARPS, CHUNK_T, BLOCK_T (the forward's and dx pass's tile)
@@ -67,10 +68,6 @@ def constants(module, values: dict):
             setattr(module, name, value)
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-
-
 def median_ms(step, warmup, iters, device) -> float:
     for _ in range(warmup):
         step()
@@ -101,7 +98,7 @@ def check(fn, reference, inputs, grad_out, tol) -> dict:
     ref_leaves = [t for t in ref_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     ref = [reference(*ref_inputs)]
     ref += torch.autograd.grad(ref[0], ref_leaves, grad_out.float())
-    errors = [rel_err(a, r) for a, r in zip(got, ref)]
+    errors = [relative_error(a, r) for a, r in zip(got, ref)]
     return {"rel_errors": errors, "ok": all(e < tol for e in errors)}
 
 
