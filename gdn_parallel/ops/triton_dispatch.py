@@ -69,10 +69,10 @@ def check_triton_input(x: torch.Tensor, name: str, fallback: str) -> ModuleType:
     return module
 
 
-def check_kernel_config(model: ModelConfig, on_cuda: bool, dtype: str) -> None:
+def check_kernel_config(model: ModelConfig, on_cuda: bool) -> None:
     """What a configuration asks of the Triton GDN kernels, checked at start-up, before a model is
     built (ConfigError naming the field): the chunk length they are built for, that impl='triton'
-    can run here at all, and the head sizes whose tiles fit a GPU's shared memory in fp32."""
+    can run here at all."""
     impl = model.gdn_impl
     runs_kernels = impl == "triton" or (impl == "auto" and on_cuda)
     if impl == "triton" and not on_cuda:
@@ -85,13 +85,5 @@ def check_kernel_config(model: ModelConfig, on_cuda: bool, dtype: str) -> None:
         raise ConfigError(f"model.gdn_chunk_size={model.gdn_chunk_size}: model.gdn_impl={impl!r} runs the "
                           f"Triton kernels here, which process chunks of {kernels.CHUNK} tokens; set "
                           f"model.gdn_chunk_size={kernels.CHUNK} or model.gdn_impl='chunk'")
-    if runs_kernels and on_cuda and dtype == "float32" and model.gdn_head_dim > 128:
-        # The backward now splits the key columns where [64, K] fp32 tiles do not fit (sm_90 compile:
-        # 160 KB at most, tools/kernel_resources.py), but that path has not yet passed the GPU tests
-        # (test_every_head_size_and_dtype_on_gpu[256-256-float32] had not finished after 210 s on an
-        # H100, nor by the end of a 515-s run of the fp32 cases on an H200, docs/kernels.md): until it
-        # does, training refuses it.
-        raise ConfigError(f"model.gdn_head_dim={model.gdn_head_dim} with train.dtype='float32' on CUDA: the "
-                          f"Triton GDN backward for fp32 keys wider than 128 is not yet verified on a GPU; "
-                          f"use train.dtype=bfloat16 (autocast), model.gdn_head_dim <= 128, "
-                          f"or model.gdn_impl='chunk'")
+    # fp32 keys wider than 128 take the backward in key tiles (docs/kernels.md): they passed the GPU
+    # tests on sm_90 (nvidia-h200, 2026-11-26), after about 6 minutes of compilation on first use.

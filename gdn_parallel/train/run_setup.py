@@ -74,7 +74,7 @@ def _rank_zero_printer(print_fn: Callable[[str], None] | None) -> Callable[[str]
 def _prepare_process(config: Config, device: torch.device, say) -> None:
     """The checks of the config against this machine and world, and the process's torch settings."""
     train = config.train
-    check_kernel_config(config.model, device.type == "cuda", train.dtype)
+    check_kernel_config(config.model, device.type == "cuda")
     if train.dtype == "float16" and dist.get_world_size() > 1:
         raise ConfigError("train.dtype=float16 needs a loss scaler, which sharded training does not use "
                           "here; use bfloat16 or float32")

@@ -300,25 +300,22 @@ def test_triton_gdn_on_cpu_fails_at_start_up(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run it on CPU
     config = Config.from_yaml(TINY, ["model.gdn_impl=triton", "train.device=cpu"])
     with pytest.raises(ConfigError, match="model.gdn_impl"):
-        check_kernel_config(config.model, on_cuda=False, dtype="float32")
+        check_kernel_config(config.model, on_cuda=False)
 
 
 @pytest.mark.skipif(kernel_module("gated_delta_rule") is None, reason="needs triton")
 def test_triton_chunk_size_is_the_kernels():
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
-        check_kernel_config(ModelConfig(gdn_impl="triton", gdn_chunk_size=32), on_cuda=True, dtype="bfloat16")
+        check_kernel_config(ModelConfig(gdn_impl="triton", gdn_chunk_size=32), on_cuda=True)
     # auto: PyTorch chunks
-    check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=False, dtype="float32")
+    check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=False)
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):  # auto on CUDA runs the kernels
-        check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=True, dtype="bfloat16")
+        check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=True)
 
 
-def test_fp32_wide_gdn_heads_on_cuda_fail_at_start_up():
-    wide = ModelConfig(gdn_head_dim=256, gdn_expand_v=1.0, hidden_size=256)
-    with pytest.raises(ConfigError, match="model.gdn_head_dim=256"):
-        check_kernel_config(wide, on_cuda=True, dtype="float32")
-    check_kernel_config(wide, on_cuda=True, dtype="bfloat16")
-    check_kernel_config(ModelConfig(gdn_head_dim=128, gdn_expand_v=2.0), on_cuda=True, dtype="float32")
+def test_wide_gdn_heads_are_accepted_on_cuda():
+    # fp32 at K = 256 was refused on CUDA until its GPU tests passed (docs/kernels.md)
+    check_kernel_config(ModelConfig(gdn_head_dim=256, gdn_expand_v=1.0, hidden_size=256), on_cuda=True)
 
 
 def test_collective_timeout_names_its_range_and_the_first_steps_it_must_outlast():
