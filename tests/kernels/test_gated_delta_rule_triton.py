@@ -186,7 +186,7 @@ def test_every_head_size_and_dtype_on_gpu(K, V, dtype):
     cu = torch.tensor([0, 100, 300, 512], device=device)
     inputs = gdn_inputs(1, 512, 2, 2, K, V, dtype=torch.float32, seed=K + V, num_states=3,
                         requires_grad=False)
-    # fp32: 3xTF32 products in tests (tests/conftest.py); the half-precision bounds are those of the tests above
+    # fp32: 3xTF32 products in tests (tests/conftest.py); half-precision bounds as in the tests above
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-2}[dtype]
     assert_close(run(inputs, "triton", dtype, cu), run(inputs, "chunk", torch.float64, cu), tol)
 
