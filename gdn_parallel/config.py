@@ -29,6 +29,7 @@ ATTENTION_IMPLS = ("auto", "sdpa", "flex")           # ops.attention
 CONV_IMPLS = ("auto", "torch", "triton")             # ops.short_conv
 CP_ALGORITHMS = ("relay", "allgather")               # the GDN op's context-parallel algorithms
 CHECKPOINTING_MODES = ("none", "selective", "full")  # parallel.checkpointing
+OFFLOAD_MODES = ("none", "cpu")  # parallel.offload
 MAX_HEAD_DIM = 256                                   # GDN head dims the ops (and kernels) take
 IGNORE_INDEX = -100                                  # the label of a token without a target
 BYTE_VOCAB_SIZE = 256                                # token ids of the byte-level corpora
@@ -388,9 +389,19 @@ class TrainConfig:
     # 0: looked up for CUDA devices; none on the CPU (no MFU).
     peak_tflops: float = setting(0.0, "one device's peak TFLOP/s for MFU (0: look it up)",
                                  rule=_number_at_least(0.0))
+    memory_check: bool = setting(
+        True, "on CUDA, refuse a run whose predicted peak memory exceeds the GPU's by more than the "
+              "prediction's error (train/memory_model.py), naming settings that fit; false: only warn")
     activation_checkpointing: str = setting(
         "none", "activations recomputed in the backward to save memory: none; selective: the MLP branches; "
                 "full: whole blocks", choices=CHECKPOINTING_MODES)
+    activation_offload: str = setting(
+        "none", "where full checkpointing keeps each block's input until its backward: none (the GPU); cpu "
+                "(pinned host memory, copied back one block ahead, overlapped with compute)",
+        choices=OFFLOAD_MODES)
+    activation_offload_blocks: int = setting(
+        0, "with activation_offload=cpu: how many of a rank's blocks, the first ones, keep their input on "
+           "the host (0: all)", rule=_at_least(0))
     profile_steps: str = setting(
         "", "steps to profile, FIRST,LAST (e.g. 10,12; one step: 10; '': none): a chrome trace and a table "
             "of where their time went (matmul, GDN kernels, conv + norm, ..., GPU idle) under "
@@ -422,6 +433,11 @@ class TrainConfig:
                               f"decay's round(train.decay_fraction * steps) = {self.decay_steps} steps "
                               f"exceed train.steps={self.steps}; lower train.decay_fraction or "
                               f"train.warmup_steps")
+        if self.activation_offload != "none" and self.activation_checkpointing != "full":
+            raise ConfigError(f"train.activation_offload={self.activation_offload!r} holds the block inputs "
+                              f"that full checkpointing keeps; train.activation_checkpointing="
+                              f"{self.activation_checkpointing!r} keeps others: set "
+                              f"train.activation_checkpointing=full (or train.activation_offload=none)")
         _check_device(self.device)
         _check_out_dir(self.out_dir)
         self._check_profile_steps()

@@ -19,7 +19,11 @@ left out), MFU, peak memory, and the profile's GPU-idle share and time buckets, 
 
 --account: one forward of our model per config at --account-batch sequences, with every tensor saved
 for the backward counted once (by storage) and charged to the module that saved it: where the
-activation memory goes, per block component. Printed as a table and kept in the JSON.
+activation memory goes, per block component. Then, per --ac mode and --account-seq-lens context, one
+measured training step split into weights, gradients, optimizer state, what the forward keeps, each
+recomputed block's working set and the loss (tools/memory_account.py), beside the memory model's
+prediction (gdn_parallel/train/memory_model.py); --offload N adds the same with
+train.activation_offload=cpu over N blocks (0: all). Printed as tables and kept in the JSON.
 Variants of our model: --ac none,selective,full (activation checkpointing).
 """
 from __future__ import annotations
@@ -60,6 +64,10 @@ def parse_args(argv=None):
                    help="a variant of the trainer rows: these --set overrides (repeatable: one variant each)")
     p.add_argument("--account", action="store_true", help="per-component account of saved activations")
     p.add_argument("--account-batch", type=int, default=2)
+    p.add_argument("--account-seq-lens", default="",
+                   help="comma-separated contexts of the measured steps of --account (\"\": the config's)")
+    p.add_argument("--offload", type=int, default=None, metavar="BLOCKS",
+                   help="--account: also measure with activation offload over BLOCKS blocks (0: all)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_train.json"))
     return p.parse_args(argv)
 
@@ -213,6 +221,10 @@ def account_saved_activations(config: Config, batch: int, device) -> dict:
             if key not in seen and t.untyped_storage().nbytes():
                 seen.add(key)
                 charged[stack[-1]] += t.untyped_storage().nbytes()
+            # detached: a saved output held by the hook with its own grad_fn is a cycle through the
+            # autograd graph that Python's collector cannot see, and the graph (no backward runs here)
+            # would outlive the call: 14 GiB of a 1.3b model's device memory did
+            return t.detach()
         return t
 
     ids, labels = random_rows(batch, config.train.seq_len, config.model.vocab_size, device)
@@ -224,6 +236,46 @@ def account_saved_activations(config: Config, batch: int, device) -> dict:
     total = sum(charged.values())
     return {"batch": batch, "seq_len": config.train.seq_len, "total_gib": total / 2 ** 30,
             "by_module_mib": {k: v / 2 ** 20 for k, v in charged.most_common()}}
+
+
+def step_accounts(path: str, args, device) -> list[dict]:
+    """tools/memory_account.py's measured steps of one config (module docstring)."""
+    from tools.memory_account import account_step
+    rows = []
+    lengths = [int(n) for n in args.account_seq_lens.split(",") if n] or [0]
+    for ac in args.ac.split(","):
+        for seq_len in lengths:
+            for offload in [None] + ([args.offload] if args.offload is not None and ac == "full" else []):
+                config = Config.from_yaml(path, [f"train.activation_checkpointing={ac}"]
+                                          + ([f"train.seq_len={seq_len}"] if seq_len else []))
+                try:
+                    row = account_step(config, 1, device, offload)
+                except Exception as err:  # noqa: BLE001 - an OOM at one context must not lose the others
+                    row = {"seq_len": config.train.seq_len, "activation_checkpointing": ac,
+                           "offload_blocks": offload, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+                rows.append(row)
+                print(json.dumps({"config": path, **{k: v for k, v in row.items()
+                                                     if k != "backward_segments"}}), flush=True)
+                free_memory(device)
+    return rows
+
+
+def print_step_accounts(path: str, rows: list[dict]) -> None:
+    print(f"\nmemory of one step, {Path(path).name} (GiB; predicted = gdn_parallel/train/memory_model.py)")
+    print(f"{'ac':9s} {'offload':>7s} {'tokens':>8s} {'weights':>7s} {'optim':>6s} {'kept':>6s} "
+          f"{'ws G':>6s} {'ws S/A':>6s} {'peak':>6s} {'predicted':>9s} {'error':>6s} {'reserved':>8s} "
+          f"{'tok/s':>8s}")
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['activation_checkpointing']:9s} {str(r['offload_blocks']):>7s} {r['seq_len']:8d}  "
+                  f"{r['error']}")
+            continue
+        ws = r["block_working_set_gib"]
+        other = max([v for k, v in ws.items() if k != "G"], default=0.0)
+        print(f"{r['activation_checkpointing']:9s} {str(r['offload_blocks']):>7s} {r['seq_len']:8d} "
+              f"{r['weights_gib']:7.2f} {r['optimizer_state_gib']:6.2f} {r['kept_for_backward_gib']:6.2f} "
+              f"{ws.get('G', 0.0):6.2f} {other:6.2f} {r['peak_gib']:6.2f} {r['predicted']['peak_gib']:9.2f} "
+              f"{r['prediction_error']:+6.1%} {r['reserved_gib']:8.2f} {r['tokens_per_s']:8,.0f}")
 
 
 def main(argv=None) -> int:
@@ -246,9 +298,11 @@ def main(argv=None) -> int:
             results.append({"config": path, **trainer_row(path, args.trainer, args.out, variant)})
             print(json.dumps(results[-1]), flush=True)
             write_payload()
-        if args.account:
-            accounts[path] = account_saved_activations(config, args.account_batch, device)
+        if args.account:  # the measured steps first: they start from an empty device
+            steps = step_accounts(path, args, device)
+            accounts[path] = {**account_saved_activations(config, args.account_batch, device), "steps": steps}
             free_memory(device)
+            write_payload()
         for batch in [int(b) for b in args.batches.split(",") if b]:  # "": trainer rows only
             micro = args.micro or batch
             for ac in args.ac.split(","):
@@ -296,6 +350,7 @@ def main(argv=None) -> int:
               f"{acc['total_gib']:.2f} GiB")
         for module, mib in list(acc["by_module_mib"].items())[:25]:
             print(f"  {module:40s} {mib:9.1f} MiB")
+        print_step_accounts(path, acc.get("steps", []))
     return 1 if any(r.get("error") for r in results) else 0
 
 

@@ -26,6 +26,7 @@ from .batch import all_reduce_gradients, label_count, shard_batch
 from .checkpointing import apply_activation_checkpointing
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
 from .mesh import ParallelDims
+from .offload import BlockInputOffload
 from .pipeline import DEFAULT_BALANCE_SEQ_LEN, PipelineRunner, as_microbatch, build_pipeline
 from .tensor import apply_tensor_parallel, reduce_tp_partial_grads
 
@@ -170,15 +171,20 @@ class ParallelModel:
 
 def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | None = None,
                 device=None, param_dtype: torch.dtype | None = None,
-                seq_len: int | None = None, activation_checkpointing: str = "none") -> ParallelModel:
+                seq_len: int | None = None, activation_checkpointing: str = "none",
+                activation_offload: str = "none", activation_offload_blocks: int = 0) -> ParallelModel:
     """Apply tp, pp, dp (and cp, through the batches) to `model`, initialised identically on every
     rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision;
-    `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py)."""
+    `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py);
+    `activation_offload="cpu"` keeps the inputs it saves of the first `activation_offload_blocks`
+    blocks (0: all) in host memory (offload.py)."""
     config = config or dims.config
     config.validate(model.config)
     check_layers(model.config, config.tp)
     device = device or next(model.parameters()).device
-    apply_activation_checkpointing(model, activation_checkpointing)   # first: wraps blocks in place
+    offload = BlockInputOffload(device) if activation_offload == "cpu" else None
+    apply_activation_checkpointing(model, activation_checkpointing, offload,  # first: wraps blocks in place
+                                   activation_offload_blocks)
     if config.tp > 1:
         apply_tensor_parallel(model, dims.group("tp"), config.sequence_parallel)
     runner = None

@@ -34,6 +34,7 @@ from ..parallel.mesh import build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
 from .evaluation import validation_text_bytes
+from .memory_model import PREDICTION_ERROR, predict_peak, settings_that_fit
 from .optim import autocast_dtype, build_optimizer
 from .profiling import StepProfiler
 from .progress import ProgressLogger, ProgressSettings, peak_flops_per_s
@@ -82,8 +83,27 @@ def _prepare_process(config: Config, device: torch.device, say) -> None:
         torch.set_num_threads(train.threads)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        _check_memory(config, device, say)
     elif train.dtype != "float32":
         say(f"note: train.dtype={train.dtype} applies to CUDA autocast; training in float32 on {device}")
+
+
+def _check_memory(config: Config, device: torch.device, say) -> None:
+    """The predicted peak against the GPU's memory: printed, and a run that cannot fit refused."""
+    capacity = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+    predicted = predict_peak(config)
+    say(f"mem   | {predicted.summary(capacity)}")
+    if predicted.peak_gib <= capacity:
+        return
+    fits = settings_that_fit(config, capacity)
+    advice = (f"with {', '.join(fits)} it is predicted to fit" if fits
+              else "no setting tried fits: use more GPUs per sequence (parallel.cp) or a shorter "
+                   "train.seq_len")
+    message = (f"train.seq_len={config.train.seq_len} x {config.train.microbatch_rows} rows: predicted peak "
+               f"{predicted.peak_gib:.1f} GiB exceeds the GPU's {capacity:.1f} GiB; {advice}")
+    if config.train.memory_check and predicted.peak_gib > capacity * (1 + PREDICTION_ERROR):
+        raise ConfigError(message + " (train.memory_check=false tries it anyway)")
+    say(f"warning: {message}; within the prediction's error, so trying it")
 
 
 def _checked_dataset(config: Config):
@@ -142,7 +162,9 @@ def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
     parts = parts_of_rank(config.model, pc, dims.rank("pp"), train.seq_len)
     model = build_model(config.model, device, train.seed, keep=parts.__contains__)
     parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len,
-                           activation_checkpointing=train.activation_checkpointing)
+                           activation_checkpointing=train.activation_checkpointing,
+                           activation_offload=train.activation_offload,
+                           activation_offload_blocks=train.activation_offload_blocks)
     optimizer = build_optimizer(parallel.parameters(), train, device)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and train.dtype == "float16" else None
     # One global stream of rows in a fixed order, cut into micro-batches of dp x rows: replica r takes the

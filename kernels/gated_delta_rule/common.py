@@ -13,7 +13,7 @@ import triton.language as tl
 def load_rows(ptr, row0, head, num_heads: tl.constexpr, width: tl.constexpr,
               C: tl.constexpr, BD: tl.constexpr, col0=0):
     """[C, BD] tile of rows row0..row0+C-1, columns col0.. of one head of a [rows, heads, width] tensor."""
-    rows = row0 + tl.arange(0, C)
+    rows = row0.to(tl.int64) + tl.arange(0, C)  # int64: rows x heads x width passes 2^31 near 1M tokens
     cols = col0 + tl.arange(0, BD)
     mask = (cols < width)[None, :]
     return tl.load(ptr + (rows[:, None] * num_heads + head) * width + cols[None, :], mask=mask, other=0.)
@@ -22,7 +22,7 @@ def load_rows(ptr, row0, head, num_heads: tl.constexpr, width: tl.constexpr,
 @triton.jit
 def store_rows(ptr, value, row0, head, num_heads: tl.constexpr, width: tl.constexpr,
                C: tl.constexpr, BD: tl.constexpr, col0=0):
-    rows = row0 + tl.arange(0, C)
+    rows = row0.to(tl.int64) + tl.arange(0, C)
     cols = col0 + tl.arange(0, BD)
     mask = (cols < width)[None, :]
     tl.store(ptr + (rows[:, None] * num_heads + head) * width + cols[None, :],
@@ -36,7 +36,8 @@ def load_state(ptr, index, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, B
     r = key0 + tl.arange(0, BK)
     c = col0 + tl.arange(0, BV)
     mask = (r < K)[:, None] & (c < V)[None, :]
-    return tl.load(ptr + index * K * V + r[:, None] * V + c[None, :], mask=mask, other=0.)
+    # int64: chunks x heads x K x V reaches 2^31 at 512K tokens (8 heads, K = 128, V = 256)
+    return tl.load(ptr + index.to(tl.int64) * K * V + r[:, None] * V + c[None, :], mask=mask, other=0.)
 
 
 @triton.jit
@@ -45,7 +46,8 @@ def store_state(ptr, value, index, K: tl.constexpr, V: tl.constexpr, BK: tl.cons
     r = tl.arange(0, BK)
     c = col0 + tl.arange(0, BV)
     mask = (r < K)[:, None] & (c < V)[None, :]
-    tl.store(ptr + index * K * V + r[:, None] * V + c[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + index.to(tl.int64) * K * V + r[:, None] * V + c[None, :], value.to(ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -147,7 +149,7 @@ def load_value_columns(ptr, row0, head, num_heads: tl.constexpr, V: tl.constexpr
                        C: tl.constexpr, cols):
     """Rows of a [rows, heads, V] tensor seen through an extended width K + V: columns < K read 0
     (the part of a span summary that carries the identity), column c >= K reads value column c - K."""
-    rows = row0 + tl.arange(0, C)
+    rows = row0.to(tl.int64) + tl.arange(0, C)
     mask = ((cols >= K) & (cols < K + V))[None, :]
     return tl.load(ptr + (rows[:, None] * num_heads + head) * V + (cols - K)[None, :], mask=mask, other=0.)
 

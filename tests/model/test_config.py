@@ -141,6 +141,10 @@ BAD_INPUTS = [
     ("train.out_dir=3", "train.out_dir"),
     ("train.peak_tflops=-1", "train.peak_tflops"),
     ("train.activation_checkpointing=blocks", "train.activation_checkpointing"),
+    ("train.activation_offload=nvme", "train.activation_offload"),
+    ("train.activation_offload=cpu", "train.activation_checkpointing=full"),  # needs full checkpointing
+    ("train.activation_offload_blocks=-1", "train.activation_offload_blocks"),
+    ("train.memory_check=maybe", "train.memory_check"),
     ("train.lr_schedule=linear", "train.lr_schedule"),
     ("train.decay_fraction=0", "train.decay_fraction"),
     ("train.decay_fraction=1.5", "train.decay_fraction"),

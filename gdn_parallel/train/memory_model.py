@@ -1,0 +1,179 @@
+"""Peak GPU memory of a training step, predicted from the config before anything is built.
+
+    peak = weights + gradients + optimizer state                 (fp32 each; AdamW: two moments)
+         + the block inputs kept for the backward on the GPU     (full checkpointing: one fp32 row of
+                                                                  hidden_size per token and block)
+         + the largest working set of one block in the backward  (its recomputed activations and
+                                                                  their gradients, linear in tokens)
+         + the loss's rows (the final norm's input, the fused cross-entropy's hidden gradient)
+
+In the backward, block by block from the last, gradients fill in while the kept inputs are released
+(with offload, one comes back ahead of its block): the model walks the blocks and takes the largest
+total, which at long context is near the end (every gradient there) or, without offload, at the
+start. The per-token working sets are counted from the tensors each layer kind keeps (bf16 under
+autocast) and checked against measurements (tools/memory_account.py, docs/benchmarks.md "Memory at
+long context").
+
+Per rank: tokens are divided by parallel.cp, parameters and optimizer state by the FSDP2 shard
+(dp x cp), and the layers by pipeline stage; tensor parallelism divides the blocks' weights and
+working sets by tp (the residual stream only under sequence parallelism). The measured accuracy is
+for one GPU; the parallel terms follow the same counts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import Config, ModelConfig
+from ..model import HybridLM
+
+GIB = 2 ** 30
+FP32, BF16 = 4, 2
+
+
+@dataclass
+class MemoryPrediction:
+    weights_gib: float
+    gradients_gib: float
+    optimizer_state_gib: float
+    block_inputs_gib: float       # kept on the GPU for the backward
+    offloaded_gib: float          # held in host memory instead (train.activation_offload=cpu)
+    working_set_gib: float        # the largest block's, in the backward
+    loss_gib: float
+    peak_gib: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self, capacity_gib: float | None = None) -> str:
+        of = f" of {capacity_gib:.1f} GiB" if capacity_gib else ""
+        parts = (f"weights {self.weights_gib:.1f}, gradients {self.gradients_gib:.1f}, optimizer "
+                 f"{self.optimizer_state_gib:.1f}, block inputs {self.block_inputs_gib:.1f}"
+                 + (f" (+{self.offloaded_gib:.1f} on the host)" if self.offloaded_gib else "")
+                 + f", working set {self.working_set_gib:.1f}, loss {self.loss_gib:.1f}")
+        return f"predicted peak {self.peak_gib:.1f} GiB{of} ({parts})"
+
+
+def working_set_bytes_per_token(symbol: str, model: ModelConfig) -> float:
+    """Bytes per token one block of layer kind `symbol` adds at the peak of its backward: the
+    activations it keeps (recomputed under full checkpointing) and the gradients of its token mixer
+    beside them. Counted from the tensors (below), checked on an H100 (tools/memory_account.py:
+    GDN 111.6 KiB/token measured against 111.5 counted at hidden 2048, SWA 84.8 against 83.5)."""
+    H, inter = model.hidden_size, model.mlp_dim
+    # both kinds: the block's input and the sum after its mixer (fp32 residual stream), the two norms'
+    # outputs, the MLP's gate, up and SwiGLU product (bf16)
+    common = FP32 * 2 * H + BF16 * 2 * H + BF16 * 3 * inter
+    if symbol == "G":
+        key, value = model.gdn_num_heads * model.gdn_head_dim, model.num_v_heads * model.head_v_dim
+        # q, k, v before and after their convolutions, the normalised q and k, the output gate, the
+        # rule's output and its normed product (bf16); in the backward dq, dk, dv in fp32 and the
+        # value-sized gradients of the gate and the output
+        kept = BF16 * 2 * (2 * key + value) + BF16 * 2 * key + BF16 * 3 * value
+        gradients = FP32 * (2 * key + value) + FP32 * value
+    else:
+        q = model.attn_num_heads * model.attn_dim
+        kv = model.num_kv_heads * model.attn_dim
+        kept = BF16 * (q + 2 * kv) + BF16 * q          # q, k, v after rotary, the attention's output
+        gradients = BF16 * (q + 2 * kv)                # dq, dk, dv
+    return common + kept + gradients
+
+
+def _layer_parameters(model: ModelConfig) -> tuple[list[int], int]:
+    """Parameters of each block, and of the rest (embeddings, final norm, LM head)."""
+    with torch.device("meta"):   # sizes without memory
+        skeleton = HybridLM(model)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in skeleton.layers]
+    return blocks, skeleton.num_parameters() - sum(blocks)
+
+
+def predict_peak(config: Config, rows: int | None = None,
+                 offload_blocks: int | None = None) -> MemoryPrediction:
+    """The peak of one rank. `rows`: sequences per forward/backward (default: the config's micro-batch);
+    `offload_blocks`: None reads train.activation_offload(_blocks), else as that setting (0: all)."""
+    model, train, par = config.model, config.train, config.parallel
+    rows = rows or train.microbatch_rows
+    tp, pp, cp = par.tp, par.pp, par.cp
+    tokens = rows * train.seq_len / cp
+    block_params, rest = _layer_parameters(model)
+    blocks = math.ceil(model.n_layers / pp)
+    symbols = model.layer_types[:blocks]
+    block_params = [n / tp for n in block_params[:blocks]]
+    shard = par.dp * cp if par.data_parallel == "fsdp" else 1
+    local = (sum(block_params) + rest / tp) / shard
+    weights, optimizer = FP32 * local, 2 * FP32 * local
+    row = FP32 * model.hidden_size * tokens / (tp if par.sequence_parallel else 1)   # one fp32 hidden row
+    if offload_blocks is None:
+        offload_blocks = train.activation_offload_blocks if train.activation_offload == "cpu" else None
+    if offload_blocks is None:
+        offloaded = 0
+    else:
+        offloaded = blocks if offload_blocks == 0 else min(offload_blocks, blocks)
+    full = train.activation_checkpointing == "full"
+    working = [working_set_bytes_per_token(s, model) * tokens / tp
+               # the block's bf16 weight casts and its fp32 weight-gradient transients
+               + 3 * n for s, n in zip(symbols, block_params)]
+    # The backward, block by block from the last: gradients so far, what is still kept of the blocks
+    # below, the gradient flowing down the residual stream (and, under offload, the next input coming
+    # back), and the block's own working set. Without full checkpointing every block below keeps its
+    # activations instead of its input.
+    grads = FP32 * rest / tp / shard
+    peak_backward, kept_at_peak, working_at_peak = 0.0, 0.0, 0.0
+    for index in reversed(range(blocks)):
+        grads += FP32 * block_params[index] / shard
+        if full:
+            kept = sum(row for i in range(index) if i >= offloaded) + (row if index and offloaded else 0.0)
+        else:
+            kept = sum(working[i] for i in range(index))
+        total = grads + kept + row + working[index]
+        if total > peak_backward:
+            peak_backward, kept_at_peak, working_at_peak = total, kept, working[index]
+    # The loss: the final norm's input and the fused cross-entropy's hidden gradient (fp32 rows) are
+    # kept from the forward; its backward adds a chunk of logits
+    loss = 2 * row
+    peak = weights + optimizer + peak_backward + loss
+    return MemoryPrediction(
+        weights_gib=weights / GIB, gradients_gib=FP32 * local / GIB, optimizer_state_gib=optimizer / GIB,
+        block_inputs_gib=kept_at_peak / GIB, offloaded_gib=(offloaded * row) / GIB,
+        working_set_gib=working_at_peak / GIB, loss_gib=loss / GIB, peak_gib=peak / GIB)
+
+
+# The settings tried, in order, when a run does not fit: each one is added to the ones before it.
+REMEDIES = (("train.activation_checkpointing", "full"), ("train.activation_offload", "cpu"))
+# How far a measured peak has been from the prediction (docs/benchmarks.md): a run predicted above the
+# device by more than this is refused; within it, only warned about.
+PREDICTION_ERROR = 0.10
+
+
+def _with(config: Config, field: str, value) -> Config:
+    import copy
+    changed = copy.deepcopy(config)
+    section, name = field.split(".")
+    setattr(getattr(changed, section), name, value)
+    return changed
+
+
+def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
+    """Overrides (KEY=VALUE) under which the prediction fits `capacity_gib`: the remedies in order,
+    then smaller micro-batches, then more context-parallel ranks; [] when none found."""
+    tried, overrides = config, []
+    for field, value in REMEDIES:
+        section, name = field.split(".")
+        if getattr(getattr(tried, section), name) == value:
+            continue
+        tried = _with(tried, field, value)
+        overrides.append(f"{field}={value}")
+        if predict_peak(tried).peak_gib <= capacity_gib:
+            return overrides
+    rows = tried.train.microbatch_rows
+    while rows > 1:
+        rows //= 2
+        if predict_peak(tried, rows=rows).peak_gib <= capacity_gib:
+            return overrides + [f"train.microbatch_size={rows}"]
+    for cp in (2, 4, 8, 16, 32, 64):
+        wider = _with(tried, "parallel.cp", cp)
+        if cp > tried.parallel.cp and predict_peak(wider, rows=1).peak_gib <= capacity_gib:
+            return overrides + (["train.microbatch_size=1"] if tried.train.microbatch_rows > 1 else []) + [
+                f"parallel.cp={cp} (x{cp // tried.parallel.cp} GPUs per sequence)"]
+    return []

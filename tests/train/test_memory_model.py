@@ -1,0 +1,78 @@
+"""The memory model (train/memory_model.py): its predictions against the peaks measured on the GPU,
+and the start-up check that refuses a run that cannot fit, naming settings that would."""
+from types import SimpleNamespace
+
+import pytest
+
+from gdn_parallel.config import Config, ConfigError
+from gdn_parallel.train import run_setup
+from gdn_parallel.train.memory_model import PREDICTION_ERROR, predict_peak, settings_that_fit
+
+LONG = ["train.batch_size=1", "train.microbatch_size=1", "train.activation_checkpointing=full"]
+
+# Peaks the trainer printed (torch.cuda.max_memory_allocated, GiB) for h1-1.3b, one sequence, full
+# checkpointing, activation_offload=cpu (docs/benchmarks.md "Memory at long context"): nvidia-h100-x1
+# at 32K, 128K, 256K tokens (all blocks offloaded) and nvidia-h200 at 512K (16 of 24 blocks).
+MEASURED = [(32768, 0, 23.93), (131072, 0, 37.65), (262144, 0, 56.14), (524288, 16, 109.39)]
+
+
+def h1(seq_len, *overrides):
+    return Config.from_yaml("configs/h1-1.3b.yaml", [*LONG, f"train.seq_len={seq_len}", *overrides])
+
+
+@pytest.mark.parametrize("seq_len, offload_blocks, measured_gib", MEASURED)
+def test_prediction_is_within_its_error_of_the_measured_peak(seq_len, offload_blocks, measured_gib):
+    config = h1(seq_len, "train.activation_offload=cpu", f"train.activation_offload_blocks={offload_blocks}")
+    predicted = predict_peak(config).peak_gib
+    assert abs(predicted / measured_gib - 1) < PREDICTION_ERROR, (seq_len, predicted, measured_gib)
+
+
+def test_offload_moves_block_inputs_to_the_host():
+    kept = predict_peak(h1(262144))
+    offloaded = predict_peak(h1(262144, "train.activation_offload=cpu"))
+    part = predict_peak(h1(262144, "train.activation_offload=cpu", "train.activation_offload_blocks=12"))
+    assert offloaded.peak_gib < part.peak_gib < kept.peak_gib
+    assert offloaded.offloaded_gib == pytest.approx(24 * 262144 * 2048 * 4 / 2**30)   # fp32 rows
+    assert part.offloaded_gib == pytest.approx(offloaded.offloaded_gib / 2)
+
+
+def test_context_parallelism_divides_the_tokens():
+    one = predict_peak(h1(262144, "train.activation_offload=cpu"))
+    two = predict_peak(h1(524288, "train.activation_offload=cpu", "parallel.cp=2"))
+    # the same tokens per rank; FSDP2 shards weights and optimizer state over the two cp ranks
+    assert two.working_set_gib == pytest.approx(one.working_set_gib)
+    assert two.optimizer_state_gib == pytest.approx(one.optimizer_state_gib / 2)
+
+
+def test_settings_that_fit_name_the_remedies_in_order():
+    plain = Config.from_yaml("configs/h1-1.3b.yaml", ["train.batch_size=1", "train.microbatch_size=1",
+                                                      "train.seq_len=262144"])
+    assert settings_that_fit(plain, 79.2) == ["train.activation_checkpointing=full",
+                                              "train.activation_offload=cpu"]
+    fits = settings_that_fit(h1(2**21), 79.2)   # 2M tokens: more GPUs per sequence
+    assert fits[-1].startswith("parallel.cp=") and "train.activation_offload=cpu" in fits
+
+
+def fake_gpu(monkeypatch, gib):
+    monkeypatch.setattr(run_setup.torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(gib * 2**30)))
+
+
+def test_a_run_that_cannot_fit_is_refused_at_start_up(monkeypatch):
+    fake_gpu(monkeypatch, 79.2)
+    lines = []
+    with pytest.raises(ConfigError, match="with train.activation_offload=cpu it is predicted to fit"):
+        run_setup._check_memory(h1(262144), "cuda", lines.append)
+    assert lines[0].startswith("mem   | predicted peak")
+    run_setup._check_memory(h1(262144, "train.memory_check=false"), "cuda", lines.append)   # only warned
+    assert lines[-1].startswith("warning:") and "train.activation_offload=cpu" in lines[-1]
+    run_setup._check_memory(h1(262144, "train.activation_offload=cpu"), "cuda", lines.append)
+    assert lines[-1].startswith("mem   | predicted peak")
+
+
+def test_a_run_within_the_prediction_error_is_only_warned_about(monkeypatch):
+    config = h1(262144, "train.activation_offload=cpu")
+    fake_gpu(monkeypatch, predict_peak(config).peak_gib * (1 - PREDICTION_ERROR / 2))
+    lines = []
+    run_setup._check_memory(config, "cuda", lines.append)
+    assert lines[-1].startswith("warning:")
