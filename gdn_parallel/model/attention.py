@@ -35,7 +35,7 @@ class Attention(nn.Module):
             positions = torch.arange(T, device=x.device).expand(B, T)
         q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
         o = attention(q, k, v, causal=True, window=self.window, cu_seqlens=seq.cu_seqlens,
-                      impl=self.impl, cp=seq.cp).reshape(B, T, -1)
+                      impl=self.impl, cp=seq.cp, memo=seq.memo).reshape(B, T, -1)
         if self.g_proj is not None:
             o = o * self.g_proj(x).sigmoid()
         return self.o_proj(o)

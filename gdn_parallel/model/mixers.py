@@ -66,6 +66,10 @@ class MixerKind:
     output_projection: str = "o_proj"             # the linear writing the residual: scaled at init
     check: Callable[[ModelConfig, int], None] | None = None   # (config, tp): rules beyond tp_split
     attention: str | None = None                  # softmax attention: FULL_ATTENTION or SLIDING_WINDOW
+    # Bytes per token the mixer holds at the peak of its backward (the activations it keeps and the
+    # gradients beside them, bf16 under autocast): train/memory_model.py adds the block's residual
+    # stream, norms and MLP. None: not counted (the prediction then leaves the mixer out).
+    working_set_bytes_per_token: Callable[[ModelConfig], float] | None = None
 
 
 # ---------------------------------------------------------------- gated deltanet
@@ -126,6 +130,23 @@ ATTENTION_TENSOR_PARALLEL = TensorParallelLayout(
     grouped_kv=GroupedKVHeads(projections=("k_proj", "v_proj"), count="num_kv_heads", head_dim="head_dim"))
 
 
+def _gdn_working_set(config: ModelConfig) -> float:
+    """q, k, v before and after their convolutions, the normalised q and k, the output gate, the
+    rule's output and its normed product (bf16); in the backward dq, dk, dv in fp32 and the value-
+    sized gradients of the gate and the output (measured: 111.6 KiB a token per block at hidden 2048
+    against 111.5 counted with the block's MLP and residual, docs/benchmarks.md)."""
+    key, value = config.gdn_num_heads * config.gdn_head_dim, config.num_v_heads * config.head_v_dim
+    kept = 2 * 2 * (2 * key + value) + 2 * 2 * key + 2 * 3 * value
+    gradients = 4 * (2 * key + value) + 4 * value
+    return kept + gradients
+
+
+def _attention_working_set(config: ModelConfig) -> float:
+    """q, k, v after rotary and the attention's output (bf16), and dq, dk, dv in the backward."""
+    q, kv = config.attn_num_heads * config.attn_dim, config.num_kv_heads * config.attn_dim
+    return 2 * (q + 2 * kv) + 2 * q + 2 * (q + 2 * kv)
+
+
 def _attention_heads(config: ModelConfig) -> list[tuple[str, int]]:
     return [("model.attn_num_heads", config.attn_num_heads)]
 
@@ -138,7 +159,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         flops_per_token=_gdn_flops, architecture=_gdn_architecture,
         tp_split=lambda config: [("model.gdn_num_heads", config.gdn_num_heads),
                                  ("model.gdn_num_v_heads", config.num_v_heads)],
-        tensor_parallel=GDN_TENSOR_PARALLEL),
+        tensor_parallel=GDN_TENSOR_PARALLEL, working_set_bytes_per_token=_gdn_working_set),
     MixerKind(
         symbol="S", description="sliding-window attention", module=Attention,
         build=lambda config: Attention(config, window=config.window_size),
@@ -147,7 +168,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         architecture=lambda config: {**_attention_architecture(config),
                                      "model.window_size": config.window_size},
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
-        attention=SLIDING_WINDOW),
+        attention=SLIDING_WINDOW, working_set_bytes_per_token=_attention_working_set),
     MixerKind(
         symbol="A", description="full causal attention", module=Attention,
         build=lambda config: Attention(config, window=None),
@@ -155,7 +176,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         flops_per_token=_attention_flops(lambda config, seq_len: seq_len / 2),  # keys seen, on average
         architecture=_attention_architecture,
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
-        attention=FULL_ATTENTION),
+        attention=FULL_ATTENTION, working_set_bytes_per_token=_attention_working_set),
 )}
 
 

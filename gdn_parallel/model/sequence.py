@@ -1,7 +1,7 @@
 """What every token-mixing layer needs to know about the token row besides its values."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +15,11 @@ class SequenceInfo:
     position_ids: [B, T] position of each token inside its document (for RoPE).
     cp: the context-parallel plan of this row when it is one shard of a longer sequence (set by
         gdn_parallel.parallel; None on one device). Ops read it; layers only pass it on.
+    memo: what ops derive from the row alone, built by the first layer that needs it and kept for
+        the others and for their recomputation (the attention layers' document ids and block masks:
+        dozens of small kernels each, per layer, otherwise). Lives as long as this object: one row.
     """
     cu_seqlens: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     cp: Any = None
+    memo: dict = field(default_factory=dict, repr=False, compare=False)

@@ -28,6 +28,7 @@ import torch
 
 from ..config import Config, ModelConfig
 from ..model import HybridLM
+from ..model.mixers import MIXERS
 
 GIB = 2 ** 30
 FP32, BF16 = 4, 2
@@ -57,27 +58,15 @@ class MemoryPrediction:
 
 
 def working_set_bytes_per_token(symbol: str, model: ModelConfig) -> float:
-    """Bytes per token one block of layer kind `symbol` adds at the peak of its backward: the
-    activations it keeps (recomputed under full checkpointing) and the gradients of its token mixer
-    beside them. Counted from the tensors (below), checked on an H100 (tools/memory_account.py:
-    GDN 111.6 KiB/token measured against 111.5 counted at hidden 2048, SWA 84.8 against 83.5)."""
+    """Bytes per token one block of layer kind `symbol` adds at the peak of its backward: its mixer's
+    (MixerKind.working_set_bytes_per_token) with the block's own: the block's input and the sum after
+    its mixer (fp32 residual stream), the two norms' outputs, the MLP's gate, up and SwiGLU product
+    (bf16). Checked on an H100 (tools/memory_account.py): a GDN block 111.6 KiB/token measured
+    against 111.5 counted at hidden 2048, a sliding-window block 84.8 against 83.5."""
     H, inter = model.hidden_size, model.mlp_dim
-    # both kinds: the block's input and the sum after its mixer (fp32 residual stream), the two norms'
-    # outputs, the MLP's gate, up and SwiGLU product (bf16)
     common = FP32 * 2 * H + BF16 * 2 * H + BF16 * 3 * inter
-    if symbol == "G":
-        key, value = model.gdn_num_heads * model.gdn_head_dim, model.num_v_heads * model.head_v_dim
-        # q, k, v before and after their convolutions, the normalised q and k, the output gate, the
-        # rule's output and its normed product (bf16); in the backward dq, dk, dv in fp32 and the
-        # value-sized gradients of the gate and the output
-        kept = BF16 * 2 * (2 * key + value) + BF16 * 2 * key + BF16 * 3 * value
-        gradients = FP32 * (2 * key + value) + FP32 * value
-    else:
-        q = model.attn_num_heads * model.attn_dim
-        kv = model.num_kv_heads * model.attn_dim
-        kept = BF16 * (q + 2 * kv) + BF16 * q          # q, k, v after rotary, the attention's output
-        gradients = BF16 * (q + 2 * kv)                # dq, dk, dv
-    return common + kept + gradients
+    mixer = MIXERS[symbol].working_set_bytes_per_token
+    return common + (mixer(model) if mixer is not None else 0.0)
 
 
 def _layer_parameters(model: ModelConfig) -> tuple[list[int], int]:

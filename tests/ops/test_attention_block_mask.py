@@ -1,6 +1,8 @@
 """FlexAttention's block mask from per-block bounds (ops/attention/block_mask.py) against the dense
 mask rule: a full tile passes every pair, a tile left out passes none, at lengths of several
 128-token tiles with documents, windows, short last tiles and a context-parallel key halo."""
+import importlib
+
 import pytest
 import torch
 
@@ -59,3 +61,23 @@ def test_flex_with_these_tiles_matches_the_oracle(name, window):
     if name != "halo":
         whole = attention(*row, window=window, cu_seqlens=torch.tensor(cu), impl="flex")
         torch.testing.assert_close(whole, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_a_rows_layers_share_one_block_mask_and_its_document_ids(monkeypatch):
+    """With a row's memo (SequenceInfo.memo) the document ids and each window's block mask are built
+    by the first layer and reused by the others (and by their recomputation), with the same output."""
+    masked = importlib.import_module("gdn_parallel.ops.attention.masked")  # ops.attention is also a function
+    built = []
+    real = masked.block_mask
+    monkeypatch.setattr(masked, "block_mask", lambda *args: built.append(args[-1]) or real(*args))
+    _, _, _, _, cu = _case("documents_short_last_tile")
+    g = generator(6)
+    row = [torch.randn(1, cu[-1], heads, 16, generator=g, dtype=torch.float64) for heads in (4, 2, 2)]
+    cu_seqlens = torch.tensor(cu)
+    memo: dict = {}
+    for window in (64, 64, None, 64, None):   # an "SASAA"-like stack
+        out = attention(*row, window=window, cu_seqlens=cu_seqlens, impl="flex", memo=memo)
+        alone = attention(*row, window=window, cu_seqlens=cu_seqlens, impl="flex")
+        assert torch.equal(out, alone), window
+    assert built.count(64) == 1 + 3 and built.count(None) == 1 + 2   # memo: once; alone: every call
+    assert sum(1 for key in memo if key[0] == "row indices") == 1

@@ -13,7 +13,8 @@ __all__ = ["attention", "masked_attention", "attention_reference"]
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               window: int | None = None, cu_seqlens: torch.Tensor | None = None,
-              scale: float | None = None, impl: str = "auto", cp: CPContext | None = None) -> torch.Tensor:
+              scale: float | None = None, impl: str = "auto", cp: CPContext | None = None,
+              memo: dict | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window) attention over a row, q/k/v of the same length T.
 
     q [B, T, H, D], k [B, T, HKV, D], v [B, T, HKV, Dv] -> [B, T, H, Dv]. `window` is the number
@@ -24,10 +25,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     `cu_seqlens`) the tensors are this rank's shard of one packed row: a sliding window takes a halo
     of window-1 keys and values from the previous rank(s); full attention all-gathers K and V
     (docs/design.md §2).
+
+    `memo`: a dict kept for one row (SequenceInfo.memo): the row's document ids and block masks are
+    built by the first call and reused by later ones on the same row (one device).
     """
     if cp is None:
         return row_attention(q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale,
-                             impl=impl)
+                             impl=impl, memo=memo)
     check_cp_call(q, k, v, causal, window)
     _check_plan(cp, cu_seqlens, q)
     return cp_attention(q, k, v, window=window, scale=scale, impl=impl, cp=cp)

@@ -130,7 +130,7 @@ def _flex_attention(device: torch.device):
     return _compiled["attn"]
 
 
-def _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale):
+def _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale, memo=None):
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("impl='flex' has no backward on CPU (a FlexAttention limitation); "
                          "use impl='sdpa' or 'auto' when gradients are needed")
@@ -139,7 +139,12 @@ def _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale):
     def mask_mod(b, h, qi, ki):
         return _allowed(q_index[qi], k_index[ki], q_doc[qi], k_doc[ki], window)
 
-    tiles = block_mask(mask_mod, q_index, k_index, q_doc, k_doc, window)
+    key = ("block mask", window, q_index.shape[0], k_index.shape[0], q.device)
+    tiles = None if memo is None else memo.get(key)
+    if tiles is None:
+        tiles = block_mask(mask_mod, q_index, k_index, q_doc, k_doc, window)
+        if memo is not None:
+            memo[key] = tiles
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     with warnings.catch_warnings():
         # Eager (CPU) flex warns that it is unfused; that is expected off CUDA.
@@ -150,12 +155,14 @@ def _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale):
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_index: torch.Tensor,
                      k_index: torch.Tensor, q_doc: torch.Tensor, k_doc: torch.Tensor,
-                     window: int | None, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+                     window: int | None, scale: float | None = None, impl: str = "auto",
+                     memo: dict | None = None) -> torch.Tensor:
     """Attention of q [B, Tq, H, D] over k [B, Tk, HKV, D], v [B, Tk, HKV, Dv] -> [B, Tq, H, Dv].
 
     q_index/k_index are global token indices, q_doc/k_doc document ids (1-D, shared by the batch);
     the module docstring gives the mask rule. `scale` defaults to D^-0.5. Every query must be
-    allowed at least one key (ValueError otherwise).
+    allowed at least one key (ValueError otherwise). `memo`: a dict for calls that share these
+    indices (one row's layers): FlexAttention's block mask is built once and kept in it.
     """
     _check_qkv(q, k, v)
     _check_window(window)
@@ -178,12 +185,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_ind
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     if impl == "auto":
         impl = "flex" if q.device.type == "cuda" else "sdpa"
-    fn = _flex if impl == "flex" else _sdpa
-    return fn(q, k, v, q_index, k_index, q_doc, k_doc, window, scale)
+    if impl == "flex":
+        return _flex(q, k, v, q_index, k_index, q_doc, k_doc, window, scale, memo)
+    return _sdpa(q, k, v, q_index, k_index, q_doc, k_doc, window, scale)
 
 
-def _row_indices(q, k, v, causal, window, cu_seqlens):
-    """Indices and document ids of a whole row (queries = keys), after the argument checks."""
+def _row_indices(q, k, v, causal, window, cu_seqlens, memo: dict | None = None):
+    """Indices and document ids of a whole row (queries = keys), after the argument checks; kept in
+    `memo` (one row's) for the next call."""
     _check_qkv(q, k, v)
     if not causal:
         raise ValueError("causal=False is not supported: attention here is causal (language modelling)")
@@ -193,18 +202,23 @@ def _row_indices(q, k, v, causal, window, cu_seqlens):
     _check_window(window)
     B, T = q.shape[:2]
     cu = check_cu_seqlens(cu_seqlens, B, T)
+    key = ("row indices", T, q.device)
+    if memo is not None and key in memo:
+        return memo[key]
     index = torch.arange(T, device=q.device)
     doc = torch.zeros(T, dtype=torch.int64, device=q.device) if cu is None \
         else document_ids_from_cu_seqlens(cu, T, device=q.device)
+    if memo is not None:
+        memo[key] = index, doc
     return index, doc
 
 
 def row_attention(q, k, v, *, causal: bool, window: int | None, cu_seqlens: torch.Tensor | None,
-                  scale: float | None, impl: str) -> torch.Tensor:
+                  scale: float | None, impl: str, memo: dict | None = None) -> torch.Tensor:
     """Single-device attention over a whole row (queries = keys); see `attention`."""
-    index, doc = _row_indices(q, k, v, causal, window, cu_seqlens)
+    index, doc = _row_indices(q, k, v, causal, window, cu_seqlens, memo)
     return masked_attention(q, k, v, q_index=index, k_index=index, q_doc=doc, k_doc=doc,
-                            window=window, scale=scale, impl=impl)
+                            window=window, scale=scale, impl=impl, memo=memo)
 
 
 def check_cp_call(q, k, v, causal: bool, window: int | None) -> None:
