@@ -66,10 +66,10 @@ class MixerKind:
     output_projection: str = "o_proj"             # the linear writing the residual: scaled at init
     check: Callable[[ModelConfig, int], None] | None = None   # (config, tp): rules beyond tp_split
     attention: str | None = None                  # softmax attention: FULL_ATTENTION or SLIDING_WINDOW
-    # Bytes per token the mixer holds at the peak of its backward (the activations it keeps and the
-    # gradients beside them, bf16 under autocast): train/memory_model.py adds the block's residual
-    # stream, norms and MLP. None: not counted (the prediction then leaves the mixer out).
-    working_set_bytes_per_token: Callable[[ModelConfig], float] | None = None
+    # Bytes per token the mixer keeps for its backward, and the gradients its backward holds beside
+    # them (bf16 under autocast): train/memory_model.py adds the block's residual stream, norms and
+    # MLP. None: not counted (the prediction then leaves the mixer out).
+    activation_bytes_per_token: Callable[[ModelConfig], tuple[float, float]] | None = None
 
 
 # ---------------------------------------------------------------- gated deltanet
@@ -130,21 +130,25 @@ ATTENTION_TENSOR_PARALLEL = TensorParallelLayout(
     grouped_kv=GroupedKVHeads(projections=("k_proj", "v_proj"), count="num_kv_heads", head_dim="head_dim"))
 
 
-def _gdn_working_set(config: ModelConfig) -> float:
-    """q, k, v before and after their convolutions, the normalised q and k, the output gate, the
-    rule's output and its normed product (bf16); in the backward dq, dk, dv in fp32 and the value-
-    sized gradients of the gate and the output (measured: 111.6 KiB a token per block at hidden 2048
-    against 111.5 counted with the block's MLP and residual, docs/benchmarks.md)."""
-    key, value = config.gdn_num_heads * config.gdn_head_dim, config.num_v_heads * config.head_v_dim
-    kept = 2 * 2 * (2 * key + value) + 2 * 2 * key + 2 * 3 * value
-    gradients = 4 * (2 * key + value) + 4 * value
-    return kept + gradients
+def _gdn_activations(config: ModelConfig) -> tuple[float, float]:
+    """Kept (bf16 under autocast but where said): the convolutions' inputs; the rule's q and k
+    (normalised) and v, its UT-inverse rows, fp32 beta and decay, and the chunk states, W and Delta
+    its forward keeps for the backward (gdn_kernels' default, TUNING["save_chunk_states"]); the
+    output gate, the rule's output and its normed product. In the backward: dq, dk, dv and a
+    value-sized gradient. (A block measured 111.6 KiB a token at hidden 2048 against 110.6 counted
+    with its MLP and residual, docs/benchmarks.md.)"""
+    HV, K, V, C = config.num_v_heads, config.gdn_head_dim, config.head_v_dim, config.gdn_chunk_size
+    key, value = config.gdn_num_heads * K, HV * V
+    kept = (2 * (2 * key + value) * 2 + 2 * HV * C + 4 * 2 * HV
+            + 2 * (HV * K + HV * K * V / C + value) + 2 * 3 * value)
+    return kept, 2 * (2 * key + value) + 2 * value
 
 
-def _attention_working_set(config: ModelConfig) -> float:
-    """q, k, v after rotary and the attention's output (bf16), and dq, dk, dv in the backward."""
+def _attention_activations(config: ModelConfig) -> tuple[float, float]:
+    """Kept: q, k, v after rotary, the attention's output (bf16) and its log-sum-exp (fp32). In the
+    backward: dq, dk, dv."""
     q, kv = config.attn_num_heads * config.attn_dim, config.num_kv_heads * config.attn_dim
-    return 2 * (q + 2 * kv) + 2 * q + 2 * (q + 2 * kv)
+    return 2 * (q + 2 * kv) + 2 * q + 4 * config.attn_num_heads, 2 * (q + 2 * kv)
 
 
 def _attention_heads(config: ModelConfig) -> list[tuple[str, int]]:
@@ -159,7 +163,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         flops_per_token=_gdn_flops, architecture=_gdn_architecture,
         tp_split=lambda config: [("model.gdn_num_heads", config.gdn_num_heads),
                                  ("model.gdn_num_v_heads", config.num_v_heads)],
-        tensor_parallel=GDN_TENSOR_PARALLEL, working_set_bytes_per_token=_gdn_working_set),
+        tensor_parallel=GDN_TENSOR_PARALLEL, activation_bytes_per_token=_gdn_activations),
     MixerKind(
         symbol="S", description="sliding-window attention", module=Attention,
         build=lambda config: Attention(config, window=config.window_size),
@@ -168,7 +172,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         architecture=lambda config: {**_attention_architecture(config),
                                      "model.window_size": config.window_size},
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
-        attention=SLIDING_WINDOW, working_set_bytes_per_token=_attention_working_set),
+        attention=SLIDING_WINDOW, activation_bytes_per_token=_attention_activations),
     MixerKind(
         symbol="A", description="full causal attention", module=Attention,
         build=lambda config: Attention(config, window=None),
@@ -176,7 +180,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         flops_per_token=_attention_flops(lambda config, seq_len: seq_len / 2),  # keys seen, on average
         architecture=_attention_architecture,
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
-        attention=FULL_ATTENTION, working_set_bytes_per_token=_attention_working_set),
+        attention=FULL_ATTENTION, activation_bytes_per_token=_attention_activations),
 )}
 
 

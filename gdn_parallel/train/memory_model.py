@@ -57,16 +57,18 @@ class MemoryPrediction:
         return f"predicted peak {self.peak_gib:.1f} GiB{of} ({parts})"
 
 
-def working_set_bytes_per_token(symbol: str, model: ModelConfig) -> float:
-    """Bytes per token one block of layer kind `symbol` adds at the peak of its backward: its mixer's
-    (MixerKind.working_set_bytes_per_token) with the block's own: the block's input and the sum after
-    its mixer (fp32 residual stream), the two norms' outputs, the MLP's gate, up and SwiGLU product
-    (bf16). Checked on an H100 (tools/memory_account.py): a GDN block 111.6 KiB/token measured
-    against 111.5 counted at hidden 2048, a sliding-window block 84.8 against 83.5."""
+def activation_bytes_per_token(symbol: str, model: ModelConfig) -> tuple[float, float]:
+    """(kept, gradients): bytes per token one block of layer kind `symbol` keeps for its backward, and
+    the gradients its backward holds beside them. Its mixer's (MixerKind.activation_bytes_per_token)
+    with the block's own: its input and the sum after its mixer (fp32 residual stream), the two
+    norms' outputs, the MLP's gate, up and SwiGLU product (bf16). Checked on an H100
+    (tools/memory_account.py): a GDN block's working set 111.6 KiB/token measured against 110.6
+    counted at hidden 2048, a sliding-window block's 84.8 against 83.6."""
     H, inter = model.hidden_size, model.mlp_dim
     common = FP32 * 2 * H + BF16 * 2 * H + BF16 * 3 * inter
-    mixer = MIXERS[symbol].working_set_bytes_per_token
-    return common + (mixer(model) if mixer is not None else 0.0)
+    mixer = MIXERS[symbol].activation_bytes_per_token
+    kept, gradients = mixer(model) if mixer is not None else (0.0, 0.0)
+    return common + kept, gradients
 
 
 def _layer_parameters(model: ModelConfig) -> tuple[list[int], int]:
@@ -100,9 +102,10 @@ def predict_peak(config: Config, rows: int | None = None,
     else:
         offloaded = blocks if offload_blocks == 0 else min(offload_blocks, blocks)
     full = train.activation_checkpointing == "full"
-    working = [working_set_bytes_per_token(s, model) * tokens / tp
-               # the block's bf16 weight casts and its fp32 weight-gradient transients
-               + 3 * n for s, n in zip(symbols, block_params)]
+    activations = [activation_bytes_per_token(s, model) for s in symbols]
+    # a block in its backward: its activations (recomputed under full checkpointing), their gradients,
+    # its bf16 weight casts and fp32 weight-gradient transients
+    working = [(kept + grads) * tokens / tp + 3 * n for (kept, grads), n in zip(activations, block_params)]
     # The backward, block by block from the last: gradients so far, what is still kept of the blocks
     # below, the gradient flowing down the residual stream (and, under offload, the next input coming
     # back), and the block's own working set. Without full checkpointing every block below keeps its
@@ -113,8 +116,8 @@ def predict_peak(config: Config, rows: int | None = None,
         grads += FP32 * block_params[index] / shard
         if full:
             kept = sum(row for i in range(index) if i >= offloaded) + (row if index and offloaded else 0.0)
-        else:
-            kept = sum(working[i] for i in range(index))
+        else:   # activations and the bf16 weight casts of every block below
+            kept = sum(activations[i][0] * tokens / tp + 2 * block_params[i] for i in range(index))
         total = grads + kept + row + working[index]
         if total > peak_backward:
             peak_backward, kept_at_peak, working_at_peak = total, kept, working[index]

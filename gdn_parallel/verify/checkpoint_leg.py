@@ -97,7 +97,8 @@ class CheckpointLeg:
         self.config = dataclasses.replace(
             settings.config, parallel=layout.parallel_config(),
             train=dataclasses.replace(settings.config.train, seed=seed,
-                                      activation_checkpointing=layout.activation_checkpointing))
+                                      activation_checkpointing=layout.activation_checkpointing,
+                                      activation_offload=layout.activation_offload))
         self.out_dir = str(Path(settings.root) / "".join(c if c.isalnum() else "_" for c in layout.name))
         self.result = RankCheckpoint()
         self.uninterrupted: Uninterrupted | None = None

@@ -67,7 +67,8 @@ def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: Par
     parts = parts_of_rank(model_config, config, dims.rank("pp"), seq_len)
     model = build_model(model_config, device, seed, keep=parts.__contains__)
     parallel = parallelize(model, dims, config, device=device, seq_len=seq_len,
-                           activation_checkpointing=layout.activation_checkpointing)
+                           activation_checkpointing=layout.activation_checkpointing,
+                           activation_offload=layout.activation_offload)
     named = [(n, p) for n, p in parallel.named_parameters() if p.requires_grad]
     return parallel, named, optimizer.build(p for _, p in named)
 

@@ -52,6 +52,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     activation_checkpointing: str = "none"
+    activation_offload: str = "none"   # cpu: full checkpointing's block inputs in host memory
 
     @property
     def world_size(self) -> int:
@@ -75,11 +76,15 @@ class Layout:
                 parts.append(f"vs={self.virtual_stages}")
         if self.activation_checkpointing != "none":
             parts.append(f"ac={self.activation_checkpointing}")
+        if self.activation_offload != "none":
+            parts.append("offload")
         return ",".join(parts)
 
     def parallel_kwargs(self) -> dict:
-        """The `parallel` config fields of the layout (activation checkpointing is a train field)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "activation_checkpointing"}
+        """The `parallel` config fields of the layout (activation checkpointing and offload are train
+        fields)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("activation_checkpointing", "activation_offload")}
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**self.parallel_kwargs())
@@ -94,13 +99,14 @@ _OPTION_WORDS = {
     "relay": ("cp_algorithm", "relay"), "allgather": ("cp_algorithm", "allgather"),
     "fsdp": ("data_parallel", "fsdp"), "ddp": ("data_parallel", "ddp"),
     "1f1b": ("pp_schedule", "1f1b"), "interleaved": ("pp_schedule", "interleaved"),
+    "offload": ("activation_offload", "cpu"),
 }
 _KEYED = {"cp_algorithm": "cp_algorithm", "data_parallel": "data_parallel", "pp_schedule": "pp_schedule",
           "vs": "virtual_stages", "virtual_stages": "virtual_stages",
           "ac": "activation_checkpointing", "activation_checkpointing": "activation_checkpointing"}
 _DEGREE = re.compile(r"(pp|dp|cp|tp)=?(\d+)")
 ACCEPTED = ("degrees pp2 / pp=2 (also dp, cp, tp), sp, relay, allgather, fsdp, ddp, 1f1b, interleaved, "
-            "vs=N, ac=none|selective|full")
+            "vs=N, ac=none|selective|full, offload (with ac=full)")
 
 
 def parse_layout(spec: str) -> Layout:
@@ -135,6 +141,10 @@ def parse_layout(spec: str) -> Layout:
     if fields.get("activation_checkpointing", "none") not in CHECKPOINTING_MODES:
         raise LayoutError(f"layout {spec!r}: ac={fields['activation_checkpointing']} is not one of "
                           f"{', '.join(CHECKPOINTING_MODES)}")
+    offloads = fields.get("activation_offload", "none") != "none"
+    if offloads and fields.get("activation_checkpointing") != "full":
+        raise LayoutError(f"layout {spec!r}: offload holds the block inputs full checkpointing keeps; "
+                          f"add ac=full")
     layout = Layout(**fields)
     try:
         layout.parallel_config().validate()
@@ -199,6 +209,8 @@ VARIANTS = (
     ({"sequence_parallel": True}, "tp", ("cp", "dp", "pp")),
     # recomputed blocks replay their CP messages (comm/replay.py), here inside pipeline stages
     ({"activation_checkpointing": "full"}, "cp", ("pp", "dp", "tp")),
+    # offloaded block inputs under FSDP2's hooks and pipeline stages
+    ({"activation_checkpointing": "full", "activation_offload": "cpu"}, "dp", ("pp", "cp", "tp")),
 )
 
 

@@ -27,7 +27,7 @@ def three_models(offload_blocks=0):
     plain = HybridLM(model_config(5)).float()
     checkpointed, offloaded = copy.deepcopy(plain), copy.deepcopy(plain)
     apply_activation_checkpointing(checkpointed, "full")
-    offload = BlockInputOffload(torch.device("cpu"), min_bytes=1)  # tiny tensors offloaded too
+    offload = BlockInputOffload(torch.device("cpu"))
     apply_activation_checkpointing(offloaded, "full", offload, offload_blocks)
     return plain, checkpointed, offloaded, offload
 

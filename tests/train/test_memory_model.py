@@ -20,6 +20,17 @@ def h1(seq_len, *overrides):
     return Config.from_yaml("configs/h1-1.3b.yaml", [*LONG, f"train.seq_len={seq_len}", *overrides])
 
 
+# The shipped configs as they run (no checkpointing, micro-batches of 4 and 8): the smoke run on
+# nvidia-h100-x1 (docs/gpu_smoke_h100.json).
+SHIPPED = [("gdn-0.4b", 51.6), ("gdn-1.3b", 59.2), ("h1-0.4b", 40.9), ("h1-1.3b", 52.5)]
+
+
+@pytest.mark.parametrize("name, measured_gib", SHIPPED)
+def test_prediction_of_the_shipped_configs(name, measured_gib):
+    predicted = predict_peak(Config.from_yaml(f"configs/{name}.yaml")).peak_gib
+    assert abs(predicted / measured_gib - 1) < PREDICTION_ERROR, (name, predicted, measured_gib)
+
+
 @pytest.mark.parametrize("seq_len, offload_blocks, measured_gib", MEASURED)
 def test_prediction_is_within_its_error_of_the_measured_peak(seq_len, offload_blocks, measured_gib):
     config = h1(seq_len, "train.activation_offload=cpu", f"train.activation_offload_blocks={offload_blocks}")

@@ -13,7 +13,8 @@ from gdn_parallel.verify.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_4 = ["tp4", "pp4", "dp4", "cp4", "pp2,tp2", "dp2,tp2", "cp2,tp2", "pp2,dp2", "pp2,cp2", "dp2,cp2",
-          "pp2,cp2,allgather", "pp2,dp2,ddp", "pp2,cp2,interleaved", "cp2,tp2,sp", "pp2,cp2,ac=full"]
+          "pp2,cp2,allgather", "pp2,dp2,ddp", "pp2,cp2,interleaved", "cp2,tp2,sp", "pp2,cp2,ac=full",
+          "pp2,dp2,ac=full,offload"]
 
 
 def torchrun_verify(args, nproc=4, timeout=240):
@@ -44,7 +45,7 @@ def test_every_layout_of_four_processes_matches_one_device_and_resumes_its_check
     assert list(rows) == TINY_4, out.stdout
     assert "skipped: model.gdn_num_heads=2 is not divisible by parallel.tp=4" in rows["tp4"]
     assert all(re.search(r" exact  pass$", rows[name]) for name in TINY_4[1:]), out.stdout
-    assert "15 layouts: 14 passed, 0 failed, 1 skipped" in out.stdout
+    assert "16 layouts: 15 passed, 0 failed, 1 skipped" in out.stdout
     results = json.loads((tmp_path / "verify.json").read_text())
     assert results["passed"] and results["world"] == 4 and results["micro_batches"] == 4
     assert results["steps"] == 2 and results["checkpoint"] == {"saved_after_step": 1, "val_loss_bound": 1e-6}

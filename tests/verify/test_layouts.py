@@ -47,9 +47,10 @@ def test_base_layouts_put_single_dimensions_first():
 
 @pytest.mark.parametrize("n, model, expected", [
     (2, TINY, ["tp2", "pp2", "dp2", "cp2", "cp2,allgather", "dp2,ddp", "pp2,interleaved", "tp2,sp",
-               "cp2,ac=full"]),
+               "cp2,ac=full", "dp2,ac=full,offload"]),
     (4, TINY, ["tp4", "pp4", "dp4", "cp4", "pp2,tp2", "dp2,tp2", "cp2,tp2", "pp2,dp2", "pp2,cp2", "dp2,cp2",
-               "pp2,cp2,allgather", "pp2,dp2,ddp", "pp2,cp2,interleaved", "cp2,tp2,sp", "pp2,cp2,ac=full"]),
+               "pp2,cp2,allgather", "pp2,dp2,ddp", "pp2,cp2,interleaved", "cp2,tp2,sp", "pp2,cp2,ac=full",
+               "pp2,dp2,ac=full,offload"]),
 ])
 def test_default_set(n, model, expected):
     chosen = default_layouts(n, model, ROW)
@@ -68,7 +69,7 @@ def test_default_set_of_eight_has_every_factorisation_and_each_variant_once():
     assert len(bases) == 20
     variants = [l for l, _ in chosen if l not in bases]
     assert [v.name for v in variants] == ["pp2,cp4,allgather", "pp2,dp4,ddp", "pp4,cp2,interleaved",
-                                          "cp2,tp4,sp", "pp2,cp4,ac=full"]
+                                          "cp2,tp4,sp", "pp2,cp4,ac=full", "pp2,dp4,ac=full,offload"]
 
 
 def test_a_variant_moves_to_a_layout_the_model_takes():
@@ -88,6 +89,8 @@ def test_a_variant_moves_to_a_layout_the_model_takes():
     ("tp2,sp,cp_algorithm=allgather,data_parallel=ddp", Layout(tp=2, sequence_parallel=True,
                                                               cp_algorithm="allgather", data_parallel="ddp")),
     ("pp2_1f1b", Layout(pp=2)),
+    ("pp2,dp2,ac=full,offload", Layout(pp=2, dp=2, activation_checkpointing="full",
+                                       activation_offload="cpu")),
 ])
 def test_parse_layout(text, expected):
     assert parse_layout(text) == expected
@@ -104,6 +107,7 @@ def test_names_read_back(layout):
     ("tp2,tp4", "sets tp twice"),
     ("tp0", "at least 1"),
     ("cp2,ac=sometimes", "ac=sometimes is not one of"),
+    ("dp2,offload", "add ac=full"),
     ("pp2,vs=2", "needs parallel.pp_schedule=interleaved"),
     ("", "empty layout"),
 ])
