@@ -395,6 +395,11 @@ class TrainConfig:
     activation_checkpointing: str = setting(
         "none", "activations recomputed in the backward to save memory: none; selective: the MLP branches; "
                 "full: whole blocks", choices=CHECKPOINTING_MODES)
+    recompute_chunks: int = setting(
+        1, "with activation_checkpointing=full: each block runs in this many sequence chunks, each its own "
+           "checkpoint, so that the backward recomputes and holds one chunk at a time (GDN states and "
+           "conv/attention halos handed from chunk to chunk as between context-parallel ranks); 1: whole "
+           "blocks", rule=_at_least(1))
     activation_offload: str = setting(
         "none", "where full checkpointing keeps each block's input until its backward: none (the GPU); cpu "
                 "(pinned host memory, copied back one block ahead, overlapped with compute)",
@@ -433,6 +438,10 @@ class TrainConfig:
                               f"decay's round(train.decay_fraction * steps) = {self.decay_steps} steps "
                               f"exceed train.steps={self.steps}; lower train.decay_fraction or "
                               f"train.warmup_steps")
+        if self.recompute_chunks > 1 and self.activation_checkpointing != "full":
+            raise ConfigError(f"train.recompute_chunks={self.recompute_chunks} splits the blocks full "
+                              f"checkpointing recomputes; set train.activation_checkpointing=full (or "
+                              f"train.recompute_chunks=1)")
         if self.activation_offload != "none" and self.activation_checkpointing != "full":
             raise ConfigError(f"train.activation_offload={self.activation_offload!r} holds the block inputs "
                               f"that full checkpointing keeps; train.activation_checkpointing="
@@ -545,6 +554,20 @@ class ParallelConfig:
                               f"parallel.pp={self.pp} pipeline stages; a schedule needs one per stage: lower "
                               f"train.microbatch_size (or raise train.batch_size)")
         row = train.microbatch_rows * train.seq_len
+        if train.recompute_chunks > 1:
+            if self.cp_algorithm != "relay":
+                raise ConfigError(f"train.recompute_chunks={train.recompute_chunks} hands the GDN state "
+                                  f"from chunk to chunk as the relay does; parallel.cp_algorithm="
+                                  f"{self.cp_algorithm!r} all-gathers: use relay (or "
+                                  f"train.recompute_chunks=1)")
+            if self.sequence_parallel:
+                raise ConfigError(f"train.recompute_chunks={train.recompute_chunks} with "
+                                  f"parallel.sequence_parallel: the tensor-parallel gathers would mix the "
+                                  f"chunks' pieces; use one of the two")
+            if row % (self.cp * train.recompute_chunks):
+                raise ConfigError(f"a micro-batch row of {row} tokens does not split into parallel.cp x "
+                                  f"train.recompute_chunks = {self.cp * train.recompute_chunks} equal "
+                                  f"chunks; choose a train.recompute_chunks that divides {row // self.cp}")
         split = self.cp * (self.tp if self.sequence_parallel else 1)
         # Divisible and positive, so every rank's shard holds row // split >= 1 tokens.
         if row % split:

@@ -1,12 +1,15 @@
 """The longest context per GPU that the memory model (gdn_parallel/train/memory_model.py) predicts to fit,
 by config, GPU memory and memory setting: one sequence per step, full activation checkpointing, with
-and without activation offload.
+and without activation offload and chunked recomputation.
 
-    python tools/context_per_gpu.py --configs configs/gdn-0.4b.yaml,configs/h1-1.3b.yaml --gib 79.2,139.8
+    python tools/context_per_gpu.py --configs configs/gdn-0.4b.yaml,configs/h1-1.3b.yaml \
+        --gib 79.2,139.8
 
 Contexts are searched in steps of --step tokens. The prediction has been within 10% of the peak the
 trainer measured (docs/benchmarks.md, "Memory at long context"); a context near a limit is worth a
-short run first. Under context parallelism the same figure is per rank: cp ranks carry cp times it.
+short run first. The chunked rows (train.recompute_chunks=8) are the model's count alone: chunked
+recomputation has not yet been measured on a GPU. Under context parallelism the same figure is per
+rank: cp ranks carry cp times it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_parallel.config import Config  # noqa: E402
 from gdn_parallel.train.memory_model import predict_peak  # noqa: E402
 
-SETTINGS = {"full checkpointing": [], "+ offload (all blocks)": ["train.activation_offload=cpu"]}
+SETTINGS = {"full checkpointing": [], "+ 8 chunks": ["train.recompute_chunks=8"],
+            "+ offload (all blocks)": ["train.activation_offload=cpu"],
+            "+ offload, 8 chunks": ["train.activation_offload=cpu", "train.recompute_chunks=8"]}
 
 
 def predicted(path: str, overrides: list[str], tokens: int):

@@ -12,6 +12,7 @@ the step that built the plan is done with it (`CPContext.finish`).
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +41,29 @@ class Outbox:
         return len(self._works)
 
 
+class Loopback:
+    """Hand-overs between the sequence chunks that one process runs in turn (chunked recomputation,
+    parallel/checkpointing.py): a chunk's successor receives the very tensor the chunk sent, so the
+    gradient flows back through autograd and the backward needs no message."""
+
+    def __init__(self):
+        self._queues: dict = collections.defaultdict(collections.deque)
+
+    def put(self, sender: int, tensor: torch.Tensor) -> None:
+        self._queues[sender].append(tensor)
+
+    def take(self, sender: int) -> torch.Tensor:
+        if not self._queues[sender]:
+            raise RuntimeError(f"sequence chunk {sender + 1} asked for a hand-over that chunk {sender} never "
+                               f"sent: the chunks must run in order")
+        return self._queues[sender].popleft()
+
+
 @dataclass
 class CPContext:
+    """Ranks here are positions along the row. With `chunks` > 1 each process of `group` holds
+    `chunks` consecutive ones (sequence chunks it runs in turn); hand-overs between two of its own go
+    through `loopback`, the others to the neighbouring process as usual."""
     group: dist.ProcessGroup | None
     rank: int                       # rank inside the CP group
     size: int                       # CP degree
@@ -50,6 +72,8 @@ class CPContext:
     algorithm: str = "relay"       # relay | allgather (the GDN op's two algorithms, docs/design.md §2)
     device: torch.device = torch.device("cpu")
     outbox: Outbox = field(default_factory=Outbox, repr=False)
+    chunks: int = 1
+    loopback: Loopback | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -187,7 +211,17 @@ class CPContext:
 
     # ------------------------------------------------------------------ communication bookkeeping
     def global_rank(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+        process = rank // self.chunks
+        return process if self.group is None else dist.get_global_rank(self.group, process)
+
+    @property
+    def prev_is_local(self) -> bool:
+        """Is the previous rank a chunk of this same process (a loopback hand-over)?"""
+        return self.loopback is not None and self.rank % self.chunks != 0
+
+    @property
+    def next_is_local(self) -> bool:
+        return self.loopback is not None and (self.rank + 1) % self.chunks != 0
 
     def finish(self) -> None:
         """Wait for the sends started under this plan: call once its row's forward and backward (or

@@ -23,8 +23,13 @@ class PendingRecv:
 
     def __init__(self, cp: CPContext, shape, dtype, device):
         self.cp = cp
+        self.local = cp.prev_is_local   # from a chunk of this process: the sent tensor itself
         if replay.replaying():  # a recomputed block: what the first forward received
             self.buffer, self.work = replay.replay(), None
+            return
+        if cp.loopback is not None and self.local:
+            self.buffer, self.work = cp.loopback.take(cp.rank - 1), None
+            replay.record(self.buffer)
             return
         self.buffer = torch.empty(shape, dtype=dtype, device=device)
         self.work = dist.irecv(self.buffer, src=cp.global_rank(cp.rank - 1), group=cp.group)
@@ -42,7 +47,7 @@ class PendingRecv:
         """
         self._wait()
         grads_wanted = torch.is_grad_enabled() and any(a.requires_grad for a in anchors)
-        if not grads_wanted:
+        if not grads_wanted or self.local:   # a loopback tensor carries its own autograd history
             return self.buffer
         return _ReceivedFromPrev.apply(self.buffer, self.cp, *anchors)
 
@@ -53,7 +58,11 @@ def post_recv_from_prev(cp: CPContext, shape, dtype, device) -> PendingRecv:
 
 def send_to_next(cp: CPContext, tensor: torch.Tensor) -> torch.Tensor | None:
     """Start sending `tensor` to rank r + 1. Returns a zero token to add to the op's output (or None
-    when no gradient is needed)."""
+    when no gradient is needed, or rank r + 1 is a chunk of this process: it gets `tensor` itself)."""
+    if cp.loopback is not None and cp.next_is_local:
+        if not replay.replaying():
+            cp.loopback.put(cp.rank, tensor)
+        return None
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _SentToNext.apply(tensor, cp)
     _isend(cp, tensor.detach().contiguous(), cp.rank + 1)
@@ -66,8 +75,10 @@ class StateRelay:
     the outgoing final state, and in the backward their gradients."""
 
     def __init__(self, cp: CPContext, incoming: PendingRecv | None):
+        # hand-overs with a chunk of this process go through autograd instead (ops/gated_delta_rule/cp.py)
         self.cp, self.incoming = cp, incoming
-        self.receives, self.sends = incoming is not None, cp.continues_to_next
+        self.receives = incoming is not None and not incoming.local
+        self.sends = cp.continues_to_next and not cp.next_is_local
 
     def receive_state(self) -> torch.Tensor:
         incoming = self._incoming()
@@ -179,4 +190,7 @@ class _AllGather(torch.autograd.Function):
 
 def all_gather(cp: CPContext, tensor: torch.Tensor) -> torch.Tensor:
     """[*] -> [cp.size, *], differentiable."""
+    if cp.chunks > 1:  # the later chunks of this process have not run yet
+        raise ValueError("an all-gather over sequence chunks run in turn cannot be: chunked recomputation "
+                         "(train.recompute_chunks) takes sliding-window attention and the relay only")
     return _AllGather.apply(tensor, cp)

@@ -172,19 +172,21 @@ class ParallelModel:
 def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | None = None,
                 device=None, param_dtype: torch.dtype | None = None,
                 seq_len: int | None = None, activation_checkpointing: str = "none",
-                activation_offload: str = "none", activation_offload_blocks: int = 0) -> ParallelModel:
+                activation_offload: str = "none", activation_offload_blocks: int = 0,
+                recompute_chunks: int = 1) -> ParallelModel:
     """Apply tp, pp, dp (and cp, through the batches) to `model`, initialised identically on every
     rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision;
     `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py);
     `activation_offload="cpu"` keeps the inputs it saves of the first `activation_offload_blocks`
-    blocks (0: all) in host memory (offload.py)."""
+    blocks (0: all) in host memory (offload.py); `recompute_chunks` recomputes each block in that many
+    sequence chunks (checkpointing.py)."""
     config = config or dims.config
     config.validate(model.config)
     check_layers(model.config, config.tp)
     device = device or next(model.parameters()).device
     offload = BlockInputOffload(device) if activation_offload == "cpu" else None
     apply_activation_checkpointing(model, activation_checkpointing, offload,  # first: wraps blocks in place
-                                   activation_offload_blocks)
+                                   activation_offload_blocks, recompute_chunks)
     if config.tp > 1:
         apply_tensor_parallel(model, dims.group("tp"), config.sequence_parallel)
     runner = None

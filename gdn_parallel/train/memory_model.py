@@ -28,7 +28,7 @@ import torch
 
 from ..config import Config, ModelConfig
 from ..model import HybridLM
-from ..model.mixers import MIXERS
+from ..model.mixers import FULL_ATTENTION, MIXERS
 
 GIB = 2 ** 30
 FP32, BF16 = 4, 2
@@ -105,7 +105,11 @@ def predict_peak(config: Config, rows: int | None = None,
     activations = [activation_bytes_per_token(s, model) for s in symbols]
     # a block in its backward: its activations (recomputed under full checkpointing), their gradients,
     # its bf16 weight casts and fp32 weight-gradient transients
-    working = [(kept + grads) * tokens / tp + 3 * n for (kept, grads), n in zip(activations, block_params)]
+    # under chunked recomputation one chunk's at a time, and the block input's gradient assembled whole
+    chunks = train.recompute_chunks if full else 1
+    assembled = row if chunks > 1 else 0.0
+    working = [(kept + grads) * tokens / chunks / tp + 3 * n + assembled
+               for (kept, grads), n in zip(activations, block_params)]
     # The backward, block by block from the last: gradients so far, what is still kept of the blocks
     # below, the gradient flowing down the residual stream (and, under offload, the next input coming
     # back), and the block's own working set. Without full checkpointing every block below keeps its
@@ -163,9 +167,25 @@ def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
         rows //= 2
         if predict_peak(tried, rows=rows).peak_gib <= capacity_gib:
             return overrides + [f"train.microbatch_size={rows}"]
+    fewer_rows = ["train.microbatch_size=1"] if tried.train.microbatch_rows > 1 else []
+    for chunks in _chunk_counts(tried):
+        if predict_peak(_with(tried, "train.recompute_chunks", chunks), rows=1).peak_gib <= capacity_gib:
+            return overrides + fewer_rows + [f"train.recompute_chunks={chunks}"]
     for cp in (2, 4, 8, 16, 32, 64):
         wider = _with(tried, "parallel.cp", cp)
         if cp > tried.parallel.cp and predict_peak(wider, rows=1).peak_gib <= capacity_gib:
-            return overrides + (["train.microbatch_size=1"] if tried.train.microbatch_rows > 1 else []) + [
+            return overrides + fewer_rows + [
                 f"parallel.cp={cp} (x{cp // tried.parallel.cp} GPUs per sequence)"]
     return []
+
+
+def _chunk_counts(config: Config) -> list[int]:
+    """The train.recompute_chunks worth trying: where the model and layout take chunks at all (no
+    full-attention layer, the relay, no sequence parallelism), counts dividing a rank's tokens."""
+    model, par = config.model, config.parallel
+    full_attention = any(MIXERS[s].attention == FULL_ATTENTION for s in set(model.layer_types))
+    if (config.train.activation_checkpointing != "full" or par.cp_algorithm != "relay"
+            or par.sequence_parallel or full_attention):
+        return []
+    tokens = config.train.seq_len // par.cp
+    return [c for c in (2, 4, 8, 16) if c > config.train.recompute_chunks and tokens % c == 0]

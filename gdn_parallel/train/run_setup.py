@@ -164,7 +164,8 @@ def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
     parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len,
                            activation_checkpointing=train.activation_checkpointing,
                            activation_offload=train.activation_offload,
-                           activation_offload_blocks=train.activation_offload_blocks)
+                           activation_offload_blocks=train.activation_offload_blocks,
+                           recompute_chunks=train.recompute_chunks)
     optimizer = build_optimizer(parallel.parameters(), train, device)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and train.dtype == "float16" else None
     # One global stream of rows in a fixed order, cut into micro-batches of dp x rows: replica r takes the

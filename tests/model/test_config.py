@@ -145,6 +145,8 @@ BAD_INPUTS = [
     ("train.activation_offload=cpu", "train.activation_checkpointing=full"),  # needs full checkpointing
     ("train.activation_offload_blocks=-1", "train.activation_offload_blocks"),
     ("train.memory_check=maybe", "train.memory_check"),
+    ("train.recompute_chunks=0", "train.recompute_chunks"),
+    ("train.recompute_chunks=2", "train.activation_checkpointing=full"),  # needs full checkpointing
     ("train.lr_schedule=linear", "train.lr_schedule"),
     ("train.decay_fraction=0", "train.decay_fraction"),
     ("train.decay_fraction=1.5", "train.decay_fraction"),

@@ -5,15 +5,13 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gdn_parallel.config import ConfigError, TrainConfig
 from gdn_parallel.model import HybridLM
-from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
 from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing
 from gdn_parallel.parallel.offload import BlockInputOffload
 from tests.compare import assert_close_set
-from tests.parallel.batches import make_batch
+from tests.parallel.batches import cp_step, make_batch
 from tests.parallel.launcher import run_workers
 from tests.parallel.test_cp_model import TOTAL, model_config
 from tests.seeds import seed_torch
@@ -96,16 +94,7 @@ def cp_equal(rank, world):
         batch = make_batch(cu, seed=step)
         out = plain(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
         out.loss.backward()
-        totals = []
-        for model in (checkpointed, offloaded):
-            shard = shard_batch(batch, rank, world, dist.group.WORLD, "relay")
-            loss = cp_loss(model, shard)
-            loss.backward()
-            shard.context.finish()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            all_reduce_gradients(model, dist.group.WORLD)
-            totals.append(total)
+        totals = [cp_step(model, batch, rank, world) for model in (checkpointed, offloaded)]
         tag = f"cp={world} rank={rank} step={step}"
         assert torch.equal(totals[1], totals[0]), tag
         assert_same_grads(offloaded, checkpointed, f"offloaded vs checkpointed, {tag}")

@@ -4,13 +4,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gdn_parallel.config import ModelConfig
 from gdn_parallel.model import HybridLM
-from gdn_parallel.parallel.batch import all_reduce_gradients, cp_loss, shard_batch
+from gdn_parallel.parallel.batch import shard_batch
 from tests.compare import assert_close_set, rel_err
-from tests.parallel.batches import make_batch
+from tests.parallel.batches import cp_step, make_batch
 from tests.parallel.launcher import run_workers
 from tests.seeds import seed_torch
 
@@ -35,13 +34,7 @@ def train_equal(rank, world, algorithm, window):
         out = reference(batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens)
         out.loss.backward()
 
-        shard = shard_batch(batch, rank, world, dist.group.WORLD, algorithm)
-        loss = cp_loss(model, shard)
-        loss.backward()
-        shard.context.finish()
-        total_loss = loss.detach().clone()
-        dist.all_reduce(total_loss)
-        all_reduce_gradients(model, dist.group.WORLD)
+        total_loss = cp_step(model, batch, rank, world, algorithm)
 
         tag = f"{algorithm} window={window} step={step} rank={rank}"
         assert rel_err(total_loss, out.loss.detach()) < 1e-12, tag   # a loss near log(vocab)

@@ -31,7 +31,7 @@ OUT_OF_RANGE = {
     "train.weight_decay": float("inf"), "train.beta1": 1.0, "train.beta2": -0.1, "train.grad_clip": -1.0,
     "train.seed": -2 ** 63 - 1, "train.log_every": 0, "train.eval_every": -1, "train.eval_rows": 0,
     "train.threads": -1, "train.peak_tflops": -1.0, "train.max_skipped_steps": 0,
-    "train.activation_offload_blocks": -1,
+    "train.activation_offload_blocks": -1, "train.recompute_chunks": 0,
     "train.collective_timeout_s": 0.5,
     "parallel.tp": 0, "parallel.pp": 0, "parallel.cp": 0, "parallel.dp": 0, "parallel.virtual_stages": 0,
     "checkpoint.interval": -1, "checkpoint.keep": -1,

@@ -87,3 +87,13 @@ def test_a_run_within_the_prediction_error_is_only_warned_about(monkeypatch):
     lines = []
     run_setup._check_memory(config, "cuda", lines.append)
     assert lines[-1].startswith("warning:")
+
+
+def test_chunked_recomputation_divides_the_working_set():
+    whole = predict_peak(h1(524288, "train.activation_offload=cpu"))
+    chunked = predict_peak(h1(524288, "train.activation_offload=cpu", "train.recompute_chunks=8"))
+    row = 524288 * 2048 * 4 / 2**30   # the block input's gradient, assembled whole
+    assert chunked.working_set_gib == pytest.approx((whole.working_set_gib - 0.14) / 8 + 0.14 + row, rel=0.02)
+    plain = Config.from_yaml("configs/h1-1.3b.yaml", ["train.batch_size=1", "train.microbatch_size=1",
+                                                      "train.seq_len=524288"])
+    assert settings_that_fit(plain, 79.2)[-1].startswith("train.recompute_chunks=")

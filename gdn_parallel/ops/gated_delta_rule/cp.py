@@ -2,7 +2,8 @@
 
 relay: post the receive of the incoming state, compute everything that does not need it (the
 chunk factors), wait, run the inter-chunk recurrence, send the final state to rank r + 1 at once,
-then compute the outputs. Backward mirrors it through p2p's autograd wiring.
+then compute the outputs. Backward mirrors it through p2p's autograd wiring. Between sequence
+chunks of one process (chunked recomputation) the state is handed over as a tensor, in autograd.
 
 allgather: summarise the shard's last document piece as (M, S_loc), all-gather the summaries, fold
 the prefix into the incoming state, then run the local recurrence from it. Autograd through the
@@ -123,9 +124,16 @@ def _triton(q, k, v, g, beta, scale, cp: CPContext, initial_state, output_final_
     if cp.algorithm == "allgather" and cp.continues_from_prev:
         return _triton_allgather_continuing(q, k, v, g, beta, scale, cp, starting, output_final_state, gates)
     relay = StateRelay(cp, incoming) if cp.algorithm == "relay" else None
+    if incoming is not None and incoming.local:
+        # from a chunk of this process: the state goes in as an input, its gradient through autograd
+        starting = torch.cat([incoming.wait().float(), starting])
+    if relay is not None and not (relay.receives or relay.sends):
+        relay = None
     o, final = triton_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=starting,
                                        output_final_state=True, cu_seqlens=cp.local_cu_list, relay=relay,
                                        **gates)
+    if cp.continues_to_next and cp.next_is_local:   # to a chunk of this process: the state itself
+        send_to_next(cp, final[-1:])
     if cp.algorithm == "allgather":  # every document starts here: the last one's summary is its final state
         _, token = _gather_and_fold(final.new_zeros(1, HV, K, K), final[-1:], cp)
         o = tie(o, token)
