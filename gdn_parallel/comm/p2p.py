@@ -61,7 +61,9 @@ def send_to_next(cp: CPContext, tensor: torch.Tensor) -> torch.Tensor | None:
     when no gradient is needed, or rank r + 1 is a chunk of this process: it gets `tensor` itself)."""
     if cp.loopback is not None and cp.next_is_local:
         if not replay.replaying():
-            cp.loopback.put(cp.rank, tensor)
+            # a copy of a view (a halo), as _isend makes: the receiver keeps what it got until its
+            # backward, and the view would keep the sender's whole tensor with it
+            cp.loopback.put(cp.rank, tensor.clone() if _is_view_of_more(tensor) else tensor)
         return None
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _SentToNext.apply(tensor, cp)
@@ -125,10 +127,14 @@ class _Tie(torch.autograd.Function):
         return grad, torch.zeros((), dtype=dtype, device=device)
 
 
+def _is_view_of_more(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+
+
 def _isend(cp: CPContext, tensor: torch.Tensor, dst: int) -> None:
     if replay.replaying():  # the receiver replays what it got in the first forward
         return
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+    if _is_view_of_more(tensor):
         # A send holds its tensor until the step's sends are finished; a view (a halo, the last
         # document's state) would hold the whole storage behind it. Under full activation
         # checkpointing that pinned every layer's conv inputs on all but the last CP rank until

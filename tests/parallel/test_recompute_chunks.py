@@ -133,3 +133,18 @@ def cp_equal(rank, world):
 
 def test_chunks_under_context_parallelism():
     assert all(run_workers(cp_equal, 2))
+
+
+def test_a_halo_handed_to_the_next_chunk_is_its_own_copy_and_carries_the_gradient():
+    """The receiving chunk keeps what it got until its backward: a view would keep the sender's whole
+    tensor alive (the conv's and attention's halos are the last tokens of a chunk's projections)."""
+    from gdn_parallel.comm.context import CPContext, Loopback
+    from gdn_parallel.comm.p2p import post_recv_from_prev, send_to_next
+    loopback = Loopback()
+    first, second = (CPContext(None, k, 2, [0, 8], 4, chunks=2, loopback=loopback) for k in range(2))
+    x = torch.randn(1, 4, 3, requires_grad=True)
+    assert send_to_next(first, x[:, 2:]) is None
+    halo = post_recv_from_prev(second, (1, 2, 3), x.dtype, x.device).wait(x)
+    assert halo.untyped_storage().nbytes() == halo.numel() * halo.element_size()
+    halo.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([0.0, 0, 1, 1])[None, :, None].expand(1, 4, 3))
