@@ -114,10 +114,12 @@ def predict_peak(config: Config, rows: int | None = None,
     # below, the gradient flowing down the residual stream (and, under offload, the next input coming
     # back), and the block's own working set. Without full checkpointing every block below keeps its
     # activations instead of its input.
-    grads = FP32 * rest / tp / shard
+    # (with gradient accumulation, a later micro-batch finds every gradient already there)
+    accumulating = train.batch_size > rows
+    grads = FP32 * (local if accumulating else rest / tp / shard)
     peak_backward, kept_at_peak, working_at_peak = 0.0, 0.0, 0.0
     for index in reversed(range(blocks)):
-        grads += FP32 * block_params[index] / shard
+        grads += 0.0 if accumulating else FP32 * block_params[index] / shard
         if full:
             kept = sum(row for i in range(index) if i >= offloaded) + (row if index and offloaded else 0.0)
         else:   # activations and the bf16 weight casts of every block below
