@@ -26,10 +26,6 @@ import weakref
 
 import torch
 
-# Tensors smaller than this stay where they are. What reaches the hooks is the checkpoint's saved
-# inputs: the block's hidden states and an empty marker tensor, which stays.
-MIN_OFFLOAD_BYTES = 1
-
 
 class _HostPool:
     """Host buffers by (numel, dtype), reused across steps; page-locked on CUDA at their exact size."""
@@ -91,9 +87,8 @@ class BlockInputOffload:
     """Saved-tensor hooks that hold checkpointed blocks' inputs in host memory (module docstring).
     One per model replica and process; `saving()` is the context to run a checkpointed call in."""
 
-    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES):
+    def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.min_bytes = min_bytes
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.pool = _HostPool(pin=self.on_cuda)
@@ -107,8 +102,10 @@ class BlockInputOffload:
 
     # ------------------------------------------------------------------ forward: to the host
     def _pack(self, tensor: torch.Tensor):
+        # What reaches the hooks is the checkpoint's saved inputs: the block's hidden states, and an
+        # empty marker tensor, which stays.
         if (tensor.device.type != self.device.type or isinstance(tensor, torch.nn.Parameter)
-                or tensor.numel() * tensor.element_size() < max(self.min_bytes, 1)):
+                or not tensor.numel()):
             return tensor
         source = tensor.contiguous()
         host = self.pool.take(source.numel(), source.dtype)
