@@ -144,14 +144,6 @@ REMEDIES = (("train.activation_checkpointing", "full"), ("train.activation_offlo
 PREDICTION_ERROR = 0.10
 
 
-def _with(config: Config, field: str, value) -> Config:
-    import copy
-    changed = copy.deepcopy(config)
-    section, name = field.split(".")
-    setattr(getattr(changed, section), name, value)
-    return changed
-
-
 def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
     """Overrides (KEY=VALUE) under which the prediction fits `capacity_gib`: the remedies in order,
     then smaller micro-batches, then more context-parallel ranks; [] when none found."""
@@ -160,7 +152,7 @@ def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
         section, name = field.split(".")
         if getattr(getattr(tried, section), name) == value:
             continue
-        tried = _with(tried, field, value)
+        tried = tried.with_overrides([f"{field}={value}"])
         overrides.append(f"{field}={value}")
         if predict_peak(tried).peak_gib <= capacity_gib:
             return overrides
@@ -171,10 +163,11 @@ def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
             return overrides + [f"train.microbatch_size={rows}"]
     fewer_rows = ["train.microbatch_size=1"] if tried.train.microbatch_rows > 1 else []
     for chunks in _chunk_counts(tried):
-        if predict_peak(_with(tried, "train.recompute_chunks", chunks), rows=1).peak_gib <= capacity_gib:
+        chunked = tried.with_overrides([f"train.recompute_chunks={chunks}"])
+        if predict_peak(chunked, rows=1).peak_gib <= capacity_gib:
             return overrides + fewer_rows + [f"train.recompute_chunks={chunks}"]
     for cp in (2, 4, 8, 16, 32, 64):
-        wider = _with(tried, "parallel.cp", cp)
+        wider = tried.with_overrides([f"parallel.cp={cp}"])
         if cp > tried.parallel.cp and predict_peak(wider, rows=1).peak_gib <= capacity_gib:
             return overrides + fewer_rows + [
                 f"parallel.cp={cp} (x{cp // tried.parallel.cp} GPUs per sequence)"]
