@@ -81,3 +81,25 @@ def test_a_rows_layers_share_one_block_mask_and_its_document_ids(monkeypatch):
         assert torch.equal(out, alone), window
     assert built.count(64) == 1 + 3 and built.count(None) == 1 + 2   # memo: once; alone: every call
     assert sum(1 for key in memo if key[0] == "row indices") == 1
+
+
+def test_a_shards_layers_share_one_block_mask(monkeypatch):
+    """Under context parallelism (here two sequence chunks of one process, the halo handed over in
+    process) each shard's layers build the block mask of its geometry once, with the same output."""
+    from gdn_parallel.comm.context import CPContext, Loopback
+    masked = importlib.import_module("gdn_parallel.ops.attention.masked")
+    built = []
+    real = masked.block_mask
+    monkeypatch.setattr(masked, "block_mask", lambda *args: built.append(args[-1]) or real(*args))
+    cu = [0, 100, 300, 512]
+    g = generator(7)
+    row = [torch.randn(1, 512, heads, 16, generator=g, dtype=torch.float64) for heads in (4, 2, 2)]
+    expected = attention_reference(*row, window=200, cu_seqlens=torch.tensor(cu))
+    for memos in ([{}, {}], [None, None]):
+        loopback = Loopback()
+        plans = [CPContext(None, r, 2, cu, 256, chunks=2, loopback=loopback) for r in range(2)]
+        for _layer in range(3):
+            out = torch.cat([attention(*(t[:, 256 * r:256 * (r + 1)] for t in row), window=200, impl="flex",
+                                       cp=plans[r], memo=memos[r]) for r in range(2)], dim=1)
+            torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    assert len(built) == 2 + 3 * 2   # with memos: once per shard; without: every call

@@ -26,15 +26,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     of window-1 keys and values from the previous rank(s); full attention all-gathers K and V
     (docs/design.md §2).
 
-    `memo`: a dict kept for one row (SequenceInfo.memo): the row's document ids and block masks are
-    built by the first call and reused by later ones on the same row (one device).
+    `memo`: a dict kept for one row (SequenceInfo.memo), or for one rank's shard of it: the row's
+    document ids and block masks are built by the first call and reused by later ones on it.
     """
     if cp is None:
         return row_attention(q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale,
                              impl=impl, memo=memo)
     check_cp_call(q, k, v, causal, window)
     _check_plan(cp, cu_seqlens, q)
-    return cp_attention(q, k, v, window=window, scale=scale, impl=impl, cp=cp)
+    return cp_attention(q, k, v, window=window, scale=scale, impl=impl, cp=cp, memo=memo)
 
 
 def _check_plan(cp: CPContext, cu_seqlens, x: torch.Tensor) -> None:

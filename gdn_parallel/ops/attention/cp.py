@@ -16,7 +16,9 @@ from ...comm.p2p import all_gather, tie
 from .masked import masked_attention
 
 
-def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext) -> torch.Tensor:
+def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext,
+                 memo: dict | None = None) -> torch.Tensor:
+    """`memo`: the row's (SequenceInfo.memo), where the block mask of the shard's geometry is kept."""
     if q.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
     device = q.device
@@ -38,5 +40,5 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
         k_doc = torch.cat([torch.full((h,), cp.doc_of(cp.start), device=device), q_doc])
     k_ext, v_ext = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     o = masked_attention(q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc,
-                         window=window, scale=scale, impl=impl)
+                         window=window, scale=scale, impl=impl, memo=memo)
     return tie(o, token)
