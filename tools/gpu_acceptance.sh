@@ -42,9 +42,15 @@ if [[ " $parts " == *" tests "* ]]; then
         tests/kernels/test_gates_triton.py tests/kernels/test_rope_triton.py tests/kernels/test_swiglu_triton.py &
     step model_jobs 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_model_gpu.py \
         tests/kernels/test_real_job_gpu.py tests/kernels/test_no_sync_gpu.py &
-    step resume 420 python3 -m pytest -q "${T[@]}" tests/checkpoint/test_resume_gpu.py &
+    # The resume test trains gdn-0.4b at its own batch (52 GB): beside the others it fits an H200's
+    # 140 GB but not an H100's 80 (out of memory in two other groups, 2026-11-26), so there it runs
+    # after them.
+    gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    resume_test() { step resume 420 python3 -m pytest -q "${T[@]}" tests/checkpoint/test_resume_gpu.py; }
+    if (( gib > 100000 )); then resume_test & fi
     step convert 420 python3 -m pytest -q -s "${T[@]}" tests/convert &  # -s: the generation test prints its continuations
     wait
+    if (( gib <= 100000 )); then resume_test; fi
     for log in "$out"/{gdn_heads_fp32,gdn_heads_half,gdn_rest,lce_norms,conv_gates,model_jobs,resume,convert}.log; do
         echo "-- $(basename "$log" .log): $(grep -E "passed|failed|skipped|error" "$log" | tail -1)"
         grep -E "^FAILED|^ERROR|^SKIPPED" "$log" | head -8
