@@ -6,6 +6,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.attention import attention
+from ..ops.projections import project
 from ..ops.rope import apply_rotary
 from .sequence import SequenceInfo
 
@@ -27,15 +28,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        gated = self.g_proj is not None
+        q, k, v, *g = project(x, self.q_proj, self.k_proj, self.v_proj, *([self.g_proj] if gated else []))
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         positions = seq.position_ids
         if positions is None:
             positions = torch.arange(T, device=x.device).expand(B, T)
         q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
         o = attention(q, k, v, causal=True, window=self.window, cu_seqlens=seq.cu_seqlens,
                       impl=self.impl, cp=seq.cp, memo=seq.memo).reshape(B, T, -1)
-        if self.g_proj is not None:
-            o = o * self.g_proj(x).sigmoid()
+        if gated:
+            o = o * g[0].sigmoid()
         return self.o_proj(o)

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.gated_delta_rule import gated_delta_rule
+from ..ops.projections import project
 from ..ops.short_conv import causal_conv1d
 from .norm import GatedRMSNorm
 from .sequence import SequenceInfo
@@ -69,15 +70,18 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_conv1d(self.q_proj(x), seq).view(B, T, self.num_heads, self.head_k_dim)
-        k = self.k_conv1d(self.k_proj(x), seq).view(B, T, self.num_heads, self.head_k_dim)
-        v = self.v_conv1d(self.v_proj(x), seq).view(B, T, self.num_v_heads, self.head_v_dim)
+        gated = self.g_proj is not None
+        q, k, v, a, b, *g = project(x, self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj,
+                                    *([self.g_proj] if gated else []))
+        q = self.q_conv1d(q, seq).view(B, T, self.num_heads, self.head_k_dim)
+        k = self.k_conv1d(k, seq).view(B, T, self.num_heads, self.head_k_dim)
+        v = self.v_conv1d(v, seq).view(B, T, self.num_v_heads, self.head_v_dim)
         # beta = sigmoid(b) (x2 with negative eigenvalues) and g = -exp(A_log) softplus(a + dt_bias) in
         # fp32: the op applies them (inside the kernels' first launch on the GPU).
-        o, _ = gated_delta_rule(q, k, v, self.a_proj(x), self.b_proj(x), cu_seqlens=seq.cu_seqlens,
+        o, _ = gated_delta_rule(q, k, v, a, b, cu_seqlens=seq.cu_seqlens,
                                 use_qk_l2norm=True, impl=self.impl, chunk_size=self.chunk_size, cp=seq.cp,
                                 decay_params=(self.A_log, self.dt_bias),
                                 beta_activation="2sigmoid" if self.allow_neg_eigval else "sigmoid")
-        gate = None if self.g_proj is None else self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        gate = g[0].view(B, T, self.num_v_heads, self.head_v_dim) if gated else None
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..ops.projections import project
 from ..ops.swiglu import swiglu_down
 
 
@@ -15,4 +16,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         # the down projection's input is recomputed in the backward rather than saved (ops/swiglu.py)
-        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
+        return swiglu_down(*project(x, self.gate_proj, self.up_proj), self.down_proj.weight)
