@@ -44,7 +44,24 @@ class ChunkLayout:
         flat = x.reshape(self.padded_len, *x.shape[2:])
         if self.padded_len == self.token_dest.numel():
             return flat
-        return flat.index_select(0, self.token_dest)
+        return _TakeRows.apply(flat, self.token_dest)
+
+
+class _TakeRows(torch.autograd.Function):
+    """x.index_select(0, rows) for distinct rows. Its backward puts the gradient rows back with a
+    plain scatter (index_copy); index_select's own backward accumulates them (index_add, with
+    atomics: 5.3 ms of a gdn-0.4b step on an H100) as if rows could repeat."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        ctx.source_shape = x.shape
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.source_shape).index_copy_(0, rows, grad), None
 
 
 def build_layout(doc_lengths: list, chunk_size: int, device) -> ChunkLayout:
