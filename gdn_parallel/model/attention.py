@@ -28,8 +28,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, T, _ = x.shape
-        gated = self.g_proj is not None
-        q, k, v, *g = project(x, self.q_proj, self.k_proj, self.v_proj, *([self.g_proj] if gated else []))
+        output_gate = [self.g_proj] if self.g_proj is not None else []
+        q, k, v, *g = project(x, self.q_proj, self.k_proj, self.v_proj, *output_gate)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -39,6 +39,6 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
         o = attention(q, k, v, causal=True, window=self.window, cu_seqlens=seq.cu_seqlens,
                       impl=self.impl, cp=seq.cp, memo=seq.memo).reshape(B, T, -1)
-        if gated:
+        if g:
             o = o * g[0].sigmoid()
         return self.o_proj(o)

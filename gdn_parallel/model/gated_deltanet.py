@@ -70,9 +70,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, T, _ = x.shape
-        gated = self.g_proj is not None
+        output_gate = [self.g_proj] if self.g_proj is not None else []
         q, k, v, a, b, *g = project(x, self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj,
-                                    *([self.g_proj] if gated else []))
+                                    *output_gate)
         q = self.q_conv1d(q, seq).view(B, T, self.num_heads, self.head_k_dim)
         k = self.k_conv1d(k, seq).view(B, T, self.num_heads, self.head_k_dim)
         v = self.v_conv1d(v, seq).view(B, T, self.num_v_heads, self.head_v_dim)
@@ -82,6 +82,6 @@ class GatedDeltaNet(nn.Module):
                                 use_qk_l2norm=True, impl=self.impl, chunk_size=self.chunk_size, cp=seq.cp,
                                 decay_params=(self.A_log, self.dt_bias),
                                 beta_activation="2sigmoid" if self.allow_neg_eigval else "sigmoid")
-        gate = g[0].view(B, T, self.num_v_heads, self.head_v_dim) if gated else None
+        gate = g[0].view(B, T, self.num_v_heads, self.head_v_dim) if g else None
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
 
