@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: float,
-               checkpoint: bool = False) -> dict:
+               checkpoint: bool = False, repo: Path = REPO, env: dict | None = None) -> dict:
+    """One config's run, in the source tree `repo` (tools/bench_ab.py runs another commit's tree),
+    with `env` added to the environment."""
     run_dir = out_dir / config.stem
     command = [sys.executable, "-m", "gdn_parallel.train", "--config", str(config),
                "--set", f"train.steps={steps}", "--set", "train.warmup_steps=2", "--set", "train.log_every=1",
@@ -42,8 +44,8 @@ def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: 
     first_step_s, lines = None, []
     # Its own process group, killed whole on a timeout or when this script is stopped: a training
     # process left behind would hold GPU memory and time through whatever runs next.
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
     deadline = threading.Timer(timeout_s, lambda: _kill_group(proc))
     deadline.start()
     try:

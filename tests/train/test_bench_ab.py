@@ -1,0 +1,50 @@
+"""tools/bench_ab.py: two source trees' trainers side by side (here this tree twice, on CPU), the
+steady tokens/s outside the profiled window, the profile tables and the ratio; bad arguments named."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import bench_ab  # noqa: E402
+
+SMALL = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.microbatch_size=2"]
+
+
+def test_both_trees_train_and_are_compared(tmp_path, capsys):
+    args = ["--baseline", str(REPO), "--configs", "configs/tiny-cpu.yaml", "--steps", "7", "--profile", "3,3",
+            "--timeout", "300", "--out", str(tmp_path), *(x for o in SMALL for x in ("--set", o))]
+    assert bench_ab.main(args) == 0, capsys.readouterr().out[-3000:]
+    row = json.loads((tmp_path / "bench_ab.json").read_text())["rows"][0]
+    for label in ("baseline", "this"):
+        run = row[label]
+        assert run["passed"] and run["steps"] == 7 and run["tokens_per_s"] > 0
+        assert set(run["profile"]) == {"wall_ms", "busy_ms", "idle_share", "buckets_ms"}
+        # each tree ran its own kernels from its own path folder
+        assert (tmp_path / "paths" / label / "gdn_kernels").resolve() == REPO / "kernels"
+    assert row["ratio"] == pytest.approx(row["this"]["tokens_per_s"] / row["baseline"]["tokens_per_s"])
+    out = capsys.readouterr().out
+    assert "ratio" in out and "baseline -> this" in out
+
+
+def test_steady_steps_leave_out_warmup_and_the_profiled_window(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rates = {0: 1.0, 1: 2.0, 2: 100.0, 3: 5.0, 4: 6.0, 5: 100.0, 6: 100.0}  # 3 profiled, 4 after it
+    run.joinpath("metrics.jsonl").write_text("\n".join(
+        json.dumps({"step": s, "loss": 1.0, "tokens_per_s": r, "mfu": None, "mem_mib": 1024.0 * s})
+        for s, r in rates.items()))
+    summary = bench_ab.summarise(run, (3, 3))
+    assert summary["tokens_per_s"] == 100.0 and summary["peak_mem_gib"] == 6.0 and summary["profile"] is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--profile", "1,2"], "within steps 2..18"), (["--profile", "x"], "FIRST,LAST"),
+    (["--baseline", "configs"], "not a source tree")])
+def test_bad_arguments_are_named(extra, message, capsys):
+    argv = ["--baseline", str(REPO), "--configs", "configs/tiny-cpu.yaml", *extra]
+    with pytest.raises(SystemExit):
+        bench_ab.main(argv)
+    assert message in capsys.readouterr().err
