@@ -45,7 +45,8 @@ def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: 
     # Its own process group, killed whole on a timeout or when this script is stopped: a training
     # process left behind would hold GPU memory and time through whatever runs next.
     proc = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            start_new_session=True)
     deadline = threading.Timer(timeout_s, lambda: _kill_group(proc))
     deadline.start()
     try:
