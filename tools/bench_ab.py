@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_smoke import REPO, run_config  # noqa: E402
 
+from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402  (gpu_smoke put the repo on the path)
+
 
 def kernels_path(tree: Path, folder: Path) -> str:
     """PYTHONPATH with `folder`, whose `gdn_kernels` is the tree's `kernels/`, first: each tree runs
@@ -42,8 +44,7 @@ def kernels_path(tree: Path, folder: Path) -> str:
 def summarise(run_dir: Path, profile: tuple[int, int]) -> dict:
     """Median tokens/s and MFU outside the warm-up and the profiled window, peak memory, profile table."""
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
-        if metrics.exists() else []
+    records = read_metrics(metrics) if metrics.exists() else []  # a run killed on its timeout: torn line
     steps = [r for r in records if "loss" in r and "step" in r]
     first, last = profile
     steady = [r for r in steps if r["step"] >= 2 and not first <= r["step"] <= last + 1]

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_parallel.config import Config  # noqa: E402
 from gdn_parallel.model import HybridLM  # noqa: E402
 from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
+from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402
 from gdn_parallel.train.progress import peak_flops_per_s  # noqa: E402
 from tools.bench_common import free_memory, is_oom, timed_ms  # noqa: E402
 
@@ -100,7 +101,7 @@ def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()
            "micro": train.microbatch_rows, "command": " ".join(command[1:])}
     if done.returncode != 0:
         return {**row, "error": (done.stdout + done.stderr)[-600:]}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir / "metrics.jsonl")
     lines = [r for r in records if "tokens_per_s" in r and isinstance(r.get("step"), int)]
     # the profiled steps and the one before them (the profiler starts there) left out
     steady = [r for r in lines if r["step"] >= 3 and not steps - 5 <= r["step"] <= steps - 3]

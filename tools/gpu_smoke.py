@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402  (torn last line of a killed run)
 
 
 def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: float,
@@ -64,7 +66,7 @@ def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: 
     records = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        records = read_metrics(metrics)
     steps_done = [r for r in records if "loss" in r and "step" in r]
     losses = [r["loss"] for r in steps_done]
     later = steps_done[2:] or steps_done  # step 0 compiles; step 1 may still tune

@@ -38,6 +38,9 @@ def test_steady_steps_leave_out_warmup_and_the_profiled_window(tmp_path):
         for s, r in rates.items()))
     summary = bench_ab.summarise(run, (3, 3))
     assert summary["tokens_per_s"] == 100.0 and summary["peak_mem_gib"] == 6.0 and summary["profile"] is None
+    with run.joinpath("metrics.jsonl").open("a") as fh:  # a run killed on its timeout mid-write
+        fh.write('\n{"step": 7, "loss": 1.0, "tok')
+    assert bench_ab.summarise(run, (3, 3)) == summary
 
 
 @pytest.mark.parametrize("extra, message", [
