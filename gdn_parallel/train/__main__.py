@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import sys
 from importlib import resources
 from pathlib import Path
@@ -185,6 +186,8 @@ def _fail(parser: argparse.ArgumentParser, status: int, message: str, every_rank
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: 0 on success; an expected failure exits with its status (module docstring)."""
+    if not faulthandler.is_enabled():  # a rank killed by a signal (a native crash) prints its Python stacks
+        faulthandler.enable(all_threads=True)
     run(argv)
     return 0
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import sys
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class VerifyRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not faulthandler.is_enabled():  # a rank killed by a signal prints its Python stacks
+        faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))
     launch = detect_launch_env()
     is_main = launch is None or launch.rank == 0
