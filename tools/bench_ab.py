@@ -7,8 +7,9 @@ users run it, against the commit before it.
 (On the device machine, carry the baseline folder: it is git-ignored.) Each config trains --steps
 steps in each tree, the baseline first, each tree with its own copy of the config and its own kernels
 (tools/gpu_smoke.py's run: `python -m gdn_parallel.train` at the config's batch, warmup 2, logging
-every step, train.profile_steps over --profile). Per tree: the median tokens/s over the steps from the
-third on, leaving out the profiled ones and the step after them (the profiler waits for the device);
+every step unless --set train.log_every says otherwise, train.profile_steps over --profile). Per tree:
+the median tokens/s over the logged intervals from the third step on, leaving out those that hold a
+profiled step or the step after them (the profiler waits for the device);
 MFU, peak memory, and the profile's wall and busy time per step, GPU idle share and buckets. Per config
 the ratio of this tree's tokens/s to the baseline's. A table on stdout, JSON in --out/bench_ab.json and,
 with matplotlib, the buckets side by side in --out/bench_ab.png.
@@ -41,13 +42,26 @@ def kernels_path(tree: Path, folder: Path) -> str:
     return os.pathsep.join(p for p in (str(folder), str(tree.resolve()), rest) if p)
 
 
+def steady_records(steps: list[dict], profile: tuple[int, int]) -> list[dict]:
+    """The step records whose tokens/s is steady: a record's rate covers the steps since the previous
+    record (one step at train.log_every=1, ten at the configs' 10), so it counts only where none of
+    those is a warm-up step (0, 1) or in the profiled window or the step after it."""
+    first, last = profile
+    steady, previous = [], -1
+    for record in steps:
+        covered = range(previous + 1, record["step"] + 1)
+        previous = record["step"]
+        if covered.start >= 2 and not any(first <= s <= last + 1 for s in covered):
+            steady.append(record)
+    return steady
+
+
 def summarise(run_dir: Path, profile: tuple[int, int]) -> dict:
     """Median tokens/s and MFU outside the warm-up and the profiled window, peak memory, profile table."""
     metrics = run_dir / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.exists() else []  # a run killed on its timeout: torn line
     steps = [r for r in records if "loss" in r and "step" in r]
-    first, last = profile
-    steady = [r for r in steps if r["step"] >= 2 and not first <= r["step"] <= last + 1]
+    steady = steady_records(steps, profile)
     table_file = run_dir / "profile" / "buckets_rank0.json"
     table = json.loads(table_file.read_text()) if table_file.exists() else None
     return {

@@ -3,6 +3,7 @@
 #   bash tools/gpu_acceptance.sh smoke    bash tools/gpu_acceptance.sh tests    bash tools/gpu_acceptance.sh bench
 #   bash tools/gpu_acceptance.sh bench04   (the 0.4b configs; bench takes the 1.3b ones)
 #   bash tools/gpu_acceptance.sh fp32_256  (the one fp32 K = V = 256 case: minutes of compilation)
+#   bash tools/gpu_acceptance.sh ab        (tools/bench_ab.py: this tree's trainer against .bench_baseline's)
 # Results and logs under $OUT (device tool) or runs/gpu_acceptance.
 # 1. tools/gpu_smoke.py: every config trains 20 steps at its own batch (finite, falling loss);
 # 2. the GPU tests in groups run at once, each with its own time limit, so that a slow or failing
@@ -71,6 +72,13 @@ if [[ " $parts " == *" bench04 "* ]]; then  # the 0.4b pair, and their micro-bat
         --batches 8 --micro 4 --warmup 1 --iters 3 --configs configs/gdn-0.4b.yaml,configs/h1-0.4b.yaml \
         --out "$out/bench_train_04b.json"
     grep -v '^{' "$out/bench_train_04b.log" | tail -40
+fi
+if [[ " $parts " == *" ab "* ]]; then  # this tree against another (.bench_baseline: git archive of main),
+    # logging every 10 steps as the configs do (a line reads the device; every step would hide host waits)
+    step bench_ab 560 python3 tools/bench_ab.py --baseline .bench_baseline --steps 40 --profile 35,36 \
+        --set train.log_every=10 --timeout 130 --configs configs/gdn-0.4b.yaml,configs/h1-0.4b.yaml \
+        --out "$out/bench_ab"
+    tail -30 "$out/bench_ab.log"
 fi
 # The trainer rows' chrome traces (bench_trainer/*/profile/trace_rank0.json) are tens of MB each: leave
 # them out of what comes back from the device (tar --exclude='trace_*').

@@ -43,6 +43,15 @@ def test_steady_steps_leave_out_warmup_and_the_profiled_window(tmp_path):
     assert bench_ab.summarise(run, (3, 3)) == summary
 
 
+def test_a_logged_interval_counts_only_where_all_its_steps_are_steady():
+    """train.log_every=10 over 40 steps, profiled at 35-36: the lines at 0, 10, 20, 30, 39 cover
+    0, 1-10, 11-20, 21-30 and 31-39; only 11-20 and 21-30 hold neither a warm-up nor a profiled step."""
+    records = [{"step": s, "tokens_per_s": float(s)} for s in (0, 10, 20, 30, 39)]
+    assert [r["step"] for r in bench_ab.steady_records(records, (35, 36))] == [20, 30]
+    every_step = [{"step": s} for s in range(8)]
+    assert [r["step"] for r in bench_ab.steady_records(every_step, (3, 3))] == [2, 5, 6, 7]
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--profile", "1,2"], "within steps 2..18"), (["--profile", "x"], "FIRST,LAST"),
     (["--baseline", "configs"], "not a source tree")])
