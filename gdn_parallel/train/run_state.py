@@ -13,6 +13,7 @@ from ..parallel.mesh import ParallelDims
 from ..parallel.parallelize import ParallelModel
 from .profiling import StepProfiler
 from .progress import ProgressLogger
+from .step_outcome import StepOutcome
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class RunState:
     start_step: int = 0                 # a resumed run's checkpoint step
     last_step: int = -1                 # the step run last (start_step - 1 before the first)
     skipped_in_row: int = 0             # non-finite steps in a row, skipped
+    pending: StepOutcome | None = None  # the last step, until the host books it (trainer._settle)
     val_loss: float | None = None       # of the last evaluation
 
     @property

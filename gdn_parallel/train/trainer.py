@@ -7,7 +7,8 @@ Per step: the dp replica's micro-batches (train.batch_size / train.microbatch_si
 train.seq_len tokens) go through `ParallelModel.train_step` (forward + backward, gradients reduced
 over every mesh dimension), the global gradient norm is clipped, and AdamW steps, unless the loss or
 the gradient norm is not finite: then the step is skipped (nothing applied) and counted, and
-train.max_skipped_steps of them in a row stop the run. Validation (every train.eval_every steps and
+train.max_skipped_steps of them in a row stop the run (with a fused AdamW the skip is decided on the
+device and booked on the host a step later: step_outcome.py). Validation (every train.eval_every steps and
 at the end, on train.eval_rows fixed rows) runs under the same layout. Checkpoints go to
 <train.out_dir>/checkpoints/step_<N>/ (checkpoint.interval, always after the last step, and when
 SIGTERM or SIGINT asks the run to stop: the step in flight finishes, a checkpoint is saved at once,
@@ -39,6 +40,7 @@ from .evaluation import evaluate
 from .progress import format_duration
 from .run_setup import set_up_run
 from .run_state import RunState
+from .step_outcome import applied_outcome, step_unless_non_finite
 
 
 class StopRequest:
@@ -125,13 +127,17 @@ def _run_step(run: RunState, step: int, stop: StopRequest) -> bool:
         _optimizer_step(run, step)
     last = step == train.steps - 1
     stopping = stop.agreed(run.device) and not last
+    evaluating = bool(run.validation.steps) and not stopping and (last or _due_every(train.eval_every, step))
+    saving = run.saver is not None and (last or stopping or _due_every(run.config.checkpoint.interval, step))
+    if last or stopping or evaluating or saving:
+        _settle(run)  # the step is booked (and a run stopped by skipped steps stops) before these
     # A stop goes straight to its checkpoint: a scheduler's SIGKILL follows its SIGTERM within a
     # grace period (torchrun's and Slurm's default: 30 s) that an evaluation would only shorten.
-    if run.validation.steps and not stopping and (last or _due_every(train.eval_every, step)):
+    if evaluating:
         _evaluate(run, step)
     if run.saver is not None:
         run.saver.poll()
-        if last or stopping or _due_every(run.config.checkpoint.interval, step):
+        if saving:
             _save(run, step)
     if stopping:
         run.say(f"stop  | a stop was asked for: ended after step {step} "
@@ -153,25 +159,33 @@ def _optimizer_step(run: RunState, step: int) -> None:
     lr = run.schedule(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    if run.pending is not None and run.logger.due(run.pending.step):
+        _settle(run)  # the previous step prints a line, which reads the device anyway: before this step
     loss = run.parallel.train_step(microbatches, autocast_dtype=run.autocast_dtype, scaler=scaler)
+    _settle(run)  # with this step queued, the host waits for the previous step's flag, not the GPU
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = run.parallel.clip_grad_norm(train.grad_clip if train.grad_clip > 0 else math.inf)
-    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # global values: ranks agree
-    skipped = not finite and scaler is None  # the scaler skips non-finite fp16 steps itself
-    if not skipped:
-        run.skipped_in_row = 0
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+    if scaler is not None:  # the scaler skips non-finite float16 steps itself
+        scaler.step(optimizer)
+        scaler.update()
+        run.pending = applied_outcome(step, loss, lr, grad_norm)
+    else:  # loss and norm are global values: every rank skips alike
+        run.pending = step_unless_non_finite(optimizer, step, loss, lr, grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    if skipped:
-        run.skipped_in_row += 1
-        _skip(run, step, loss, grad_norm)
+
+
+def _settle(run: RunState) -> None:
+    """Book the step still pending (step_outcome.py): counted and logged, or counted as skipped."""
+    outcome, run.pending = run.pending, None
+    if outcome is None:
+        return
+    if outcome.applied():
+        run.skipped_in_row = 0
+        run.logger.step(outcome.step, outcome.loss, outcome.lr, outcome.grad_norm)
     else:
-        run.logger.step(step, loss, lr, grad_norm)
+        run.skipped_in_row += 1
+        _skip(run, outcome.step, outcome.loss, outcome.grad_norm)
 
 
 def _skip(run: RunState, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
