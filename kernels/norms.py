@@ -41,8 +41,8 @@ BWD_ELEMENTS = 2048
 
 
 @triton.jit
-def _norm_fwd(X, W, G, Y, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr,
-              BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _norm_fwd(X, R, H, W, G, Y, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr,
+              HAS_BRANCH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # int64 offsets: rows * N passes 2^31 at long sequences times wide hidden sizes
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -50,6 +50,10 @@ def _norm_fwd(X, W, G, Y, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: 
     offs = rows[:, None] * N + cols[None, :]
     # padding loads as 0: it adds nothing to the sums and padded rows give rstd = rsqrt(eps), finite
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BRANCH:  # the residual sum h = x + branch, stored, and normalised as stored (rounded)
+        h = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + offs, h, mask=mask)
+        x = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) * scale + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
@@ -61,7 +65,8 @@ def _norm_fwd(X, W, G, Y, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: 
 
 
 @triton.jit
-def _norm_bwd(X, W, G, DY, DX, DW, DG, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr,
+def _norm_bwd(X, W, G, DY, DH, DX, DB, DW, DG, M, N, scale, eps, HAS_WEIGHT: tl.constexpr,
+              HAS_GATE: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_BRANCH: tl.constexpr,
               BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -90,7 +95,11 @@ def _norm_bwd(X, W, G, DY, DX, DW, DG, M, N, scale, eps, HAS_WEIGHT: tl.constexp
             dw += tl.sum(dy * xhat, axis=0)
             dy = dy * w[None, :]
         dx = (dy - xhat * (tl.sum(dy * xhat, axis=1) * scale)[:, None]) * rstd[:, None]
+        if HAS_STREAM_GRAD:  # the residual stream's own gradient, added here rather than by autograd
+            dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BRANCH:  # h = x + branch: the branch's gradient is h's, in the branch's dtype
+            tl.store(DB + offs, dx.to(DB.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DW + pid * N + cols, dw, mask=cols < N)
 
@@ -120,8 +129,8 @@ class _RowNorm(torch.autograd.Function):
         if m > 0:
             # an absent weight/gate is never read (constexpr flags); x stands in for its pointer
             _norm_fwd[(triton.cdiv(m, block_rows),)](
-                x2, x2 if w is None else w, x2 if g2 is None else g2, y, m, n, scale, eps,
-                HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None, BLOCK_ROWS=block_rows,
+                x2, x2, x2, x2 if w is None else w, x2 if g2 is None else g2, y, m, n, scale, eps,
+                HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None, HAS_BRANCH=False, BLOCK_ROWS=block_rows,
                 BLOCK_N=block_n, num_warps=warps)
         ctx.save_for_backward(x2, w, g2)
         ctx.scale, ctx.eps, ctx.shape = scale, eps, x.shape
@@ -140,9 +149,10 @@ class _RowNorm(torch.autograd.Function):
         dw_partial = None if w is None else torch.empty(programs, n, dtype=torch.float32, device=x2.device)
         if m > 0:
             _norm_bwd[(programs,)](
-                x2, x2 if w is None else w, x2 if g2 is None else g2, dy2, dx,
+                x2, x2 if w is None else w, x2 if g2 is None else g2, dy2, x2, dx, x2,
                 x2 if dw_partial is None else dw_partial, x2 if dg is None else dg, m, n,
                 ctx.scale, ctx.eps, HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None,
+                HAS_STREAM_GRAD=False, HAS_BRANCH=False,
                 BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)
         dw = None if w is None else dw_partial.sum(0).to(w.dtype)
         return (dx.view(ctx.shape), dw, None if dg is None else dg.view(ctx.shape), None, None, None)
@@ -159,3 +169,70 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: tor
     then gate. fp32 math; output in out_dtype (default x's), dx in x's dtype, dweight in weight's,
     dgate in gate's."""
     return _RowNorm.apply(x, weight, gate, eps, True, out_dtype)
+
+
+class _ResidualRMSNorm(torch.autograd.Function):
+    """(h, rmsnorm(h) * weight) with h = x + branch, or h = x itself without a branch. The backward
+    takes h's own gradient (from the residual stream's later uses) together with the norm output's
+    and adds them inside the norm's backward kernel, where autograd would add them in a pass of its
+    own; with a branch it also writes the branch's gradient (h's, cast) from the same kernel."""
+
+    @staticmethod
+    def forward(ctx, x, branch, weight, eps: float, out_dtype: torch.dtype | None):
+        n = x.shape[-1]
+        if n > MAX_HIDDEN:
+            raise ValueError(f"fused norms hold a row in registers: last dim {n} > {MAX_HIDDEN}")
+        if branch is not None and branch.shape != x.shape:
+            raise ValueError(f"branch shape {tuple(branch.shape)} must equal x shape {tuple(x.shape)}")
+        ctx.set_materialize_grads(False)
+        x2 = x.reshape(-1, n).contiguous()
+        b2 = None if branch is None else branch.reshape(-1, n).contiguous()
+        h = x2 if b2 is None else torch.empty_like(x2)
+        w = weight.contiguous()
+        y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+        m = x2.shape[0]
+        block_rows, block_n, warps = _blocks(n, 4096)
+        if m > 0:
+            _norm_fwd[(triton.cdiv(m, block_rows),)](
+                x2, x2 if b2 is None else b2, h, w, x2, y, m, n, 1.0 / n, eps,
+                HAS_WEIGHT=True, HAS_GATE=False, HAS_BRANCH=b2 is not None, BLOCK_ROWS=block_rows,
+                BLOCK_N=block_n, num_warps=warps)
+        ctx.save_for_backward(h, w)
+        ctx.eps, ctx.shape = eps, x.shape
+        ctx.branch_dtype = None if branch is None else branch.dtype
+        # without a branch h is x: returned as a view, so that its gradient comes back through here
+        return (x.view_as(x) if b2 is None else h.view(x.shape)), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h, w = ctx.saved_tensors
+        m, n = h.shape
+        with_branch = ctx.branch_dtype is not None
+        if dy is None:  # the norm's output went unused: h's gradient passes through
+            dx = None if dh is None else dh
+            db = None if dh is None or not with_branch else dh.to(ctx.branch_dtype)
+            return dx, db, None, None, None
+        dy2 = dy.reshape(-1, n).contiguous()
+        dh2 = None if dh is None else dh.reshape(-1, n).contiguous()
+        dx = torch.empty_like(h)
+        db = torch.empty(h.shape, dtype=ctx.branch_dtype, device=h.device) if with_branch else None
+        block_rows, block_n, warps = _blocks(n, BWD_ELEMENTS)
+        blocks = max(1, BWD_ROWS_PER_PROGRAM // block_rows)
+        programs = triton.cdiv(m, blocks * block_rows)
+        dw_partial = torch.empty(programs, n, dtype=torch.float32, device=h.device)
+        if m > 0:
+            _norm_bwd[(programs,)](
+                h, w, h, dy2, h if dh2 is None else dh2, dx, h if db is None else db, dw_partial, h, m, n,
+                1.0 / n, ctx.eps, HAS_WEIGHT=True, HAS_GATE=False, HAS_STREAM_GRAD=dh2 is not None,
+                HAS_BRANCH=with_branch, BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
+                num_warps=warps)
+        dw = dw_partial.sum(0).to(w.dtype)
+        return (dx.view(ctx.shape), None if db is None else db.view(ctx.shape), dw, None, None)
+
+
+def triton_residual_rms_norm(x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rmsnorm(h) * weight) with h = x + branch (in x's dtype), or h = x without a branch, over the
+    last dim (<= 8192): the residual stream and its normalised copy in one pass each way. fp32 math;
+    the norm's output in out_dtype (default x's), gradients in their inputs' dtypes."""
+    return _ResidualRMSNorm.apply(x, branch, weight, eps, out_dtype)

@@ -38,6 +38,7 @@ if [[ " $parts " == *" tests "* ]]; then
     step gdn_heads_half 420 python3 -m pytest -q "${T[@]}" $G -k "every_head_size and not float32" &
     step gdn_rest 420 python3 -m pytest -q "${T[@]}" $G -k "not every_head_size" &
     step lce_norms 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_linear_cross_entropy.py \
+        tests/kernels/test_residual_norm_triton.py \
         tests/kernels/test_norms_triton.py &
     step conv_gates 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_short_conv_triton.py \
         tests/kernels/test_gates_triton.py tests/kernels/test_rope_triton.py tests/kernels/test_swiglu_triton.py &

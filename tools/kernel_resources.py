@@ -4,7 +4,8 @@
     python tools/kernel_resources.py --block-kernels   # the conv, norm, RoPE and SwiGLU kernels
 
 --block-kernels compiles every launch of the block's other kernels (short conv with a prefix,
-documents and bias, and without an activation; the norms with and without a gate; RoPE; SwiGLU),
+documents and bias, and without an activation; the norms with and without a gate, and the
+blocks' residual norms with and without a branch; RoPE; SwiGLU),
 forward and backward, in each dtype: a kernel that compiles in the CPU interpreter but not for the
 GPU (a tensor redefined with another shape in a branch, a libdevice call) fails here, without one.
 
@@ -117,6 +118,10 @@ def block_launches(dtype: torch.dtype, arch: int, limit: int) -> list:
         norms.triton_rms_norm(rows, leaf(32), 1e-6, gate).sum().backward()
         norms.triton_rms_norm(leaf(6, 32), leaf(32), 1e-6, out_dtype=torch.bfloat16).sum().backward()
         norms.triton_l2_normalize(leaf(6, 32)).sum().backward()
+        stream = leaf(6, 32).float().detach().requires_grad_()  # the residual stream stays fp32
+        for branch in (None, leaf(6, 32)):
+            h, y = norms.triton_residual_rms_norm(stream, branch, leaf(32), 1e-6, out_dtype=dtype)
+            (h.sum() + y.sum()).backward()
         rope.triton_rotary(leaf(2, 5, 3, 8), torch.arange(5).unsqueeze(0), torch.ones(4)).sum().backward()
         g, u, dp = leaf(3, 37), leaf(3, 37), leaf(3, 37)
         swiglu.silu_mul(g, u)

@@ -16,7 +16,7 @@ from ..ops.rope import positions_from_cu_seqlens
 from .loss import LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
 from .mixers import MIXERS, check_layers, make_mixer, mixer_flops_per_token
 from .mlp import SwiGLU
-from .norm import RMSNorm
+from .norm import ResidualRMSNorm, RMSNorm
 from .sequence import SequenceInfo
 
 
@@ -55,25 +55,27 @@ def init_linear_weights(module: nn.Module, config: ModelConfig) -> None:
 
 
 class Block(nn.Module):
+    """x + mixer(norm(x)) = h, then h + mlp(norm(h)): pre-norm, the residual stream in fp32. Each norm
+    also passes the stream on (and the second one makes h), so that on a GPU the sum, the norm and
+    the stream's two gradients meet in one kernel (model/norm.py, ResidualRMSNorm)."""
+
     def __init__(self, symbol: str, config: ModelConfig):
         super().__init__()
         self.symbol = symbol
-        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn_norm = ResidualRMSNorm(config.hidden_size, config.norm_eps)
         self.attn = make_mixer(symbol, config)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp_norm = ResidualRMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.mlp_dim)
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
-        x = x + self.mixer_branch(x, seq)
-        return x + self.mlp_branch(x)
+        x, normed = self.attn_norm(x)
+        h, normed = self.mlp_norm(x, self.attn(normed, seq))
+        return h + self.mlp_branch(normed)
 
-    # The two residual branches are methods of their own so that activation checkpointing can wrap
-    # one of them from outside (selective: the MLP branch, parallel/checkpointing.py).
-    def mixer_branch(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
-        return self.attn(self.attn_norm(x), seq)
-
-    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.mlp_norm(x))
+    # A method of its own so that activation checkpointing can wrap it from outside (selective,
+    # parallel/checkpointing.py).
+    def mlp_branch(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.mlp(normed)
 
 
 @dataclass

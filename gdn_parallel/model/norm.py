@@ -22,6 +22,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, out_dtype=_autocast_dtype(x))
 
 
+class ResidualRMSNorm(RMSNorm):
+    """A block's norm on the residual stream: forward(x, branch=None) -> (h, rmsnorm(h)) with
+    h = x + branch (the branch a layer's output, in the autocast dtype) or x itself. Same parameters
+    and output as RMSNorm; on CUDA the sum, the norm and, in the backward, the stream's gradient
+    meeting the norm's, each run in one kernel pass (gdn_kernels.norms.triton_residual_rms_norm)."""
+
+    def forward(self, x: torch.Tensor, branch: torch.Tensor | None = None):  # type: ignore[override]
+        return residual_rms_norm(x, branch, self.weight, self.eps, out_dtype=_autocast_dtype(x))
+
+
 class GatedRMSNorm(RMSNorm):
     """rmsnorm(x) * weight * silu(gate): normalise first, then gate (flash-linear-attention's order)."""
 
@@ -42,6 +52,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = (normed * weight.to(normed.dtype)).to(out_dtype or x.dtype)
     return out if gate is None else out * F.silu(gate.to(out.dtype))
+
+
+def residual_rms_norm(x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h, weight)) with h = x + branch in x's dtype, or h = x: the fused kernel on CUDA,
+    elsewhere the formula (which autograd differentiates)."""
+    if _fused_applies(x, None) and (branch is None or branch.shape == x.shape):
+        return imported_kernel("norms").triton_residual_rms_norm(x, branch, weight, eps, out_dtype)
+    h = x if branch is None else (x + branch).to(x.dtype)
+    return h, rms_norm(h, weight, eps, out_dtype=out_dtype)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

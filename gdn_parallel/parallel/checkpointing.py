@@ -5,9 +5,9 @@ token drops from every activation of every layer to one hidden vector per layer,
 forward. Blocks are wrapped in place (their `forward`), so parameter names and the hooks that tensor,
 pipeline and data parallelism put on modules stay as they are.
 
-"selective": only each block's MLP branch (its norm and the SwiGLU) is recomputed: it keeps the
-branch's input instead of the norm's and the MLP's activations (the gate and up projections, the
-widest tensors of a block), for about a third of a forward's matrix work more. The token mixer keeps
+"selective": only each block's MLP branch (the SwiGLU) is recomputed: it keeps the branch's input, the
+norm's bf16 output, instead of the MLP's activations (the gate and up projections, the widest tensors
+of a block), for about a third of a forward's matrix work more. The token mixer keeps
 its activations, so nothing that communicates under context parallelism runs twice.
 
 Under context parallelism a recomputed block does not communicate again: what it received in its
