@@ -16,6 +16,27 @@ from dataclasses import dataclass
 import torch
 
 
+class ArrivingFlag:
+    """A device bool on its way to the host: copied without blocking (CUDA), `value()` waits for that
+    copy only, not for work queued after it. A flag already on the host is kept as it is."""
+
+    def __init__(self, flag: torch.Tensor):
+        flag = flag.reshape(())
+        self._arrived: torch.cuda.Event | None = None
+        if flag.is_cuda:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._arrived = torch.cuda.Event()
+            self._arrived.record()
+        else:
+            self._host = flag.to(torch.bool).clone()
+
+    def value(self) -> bool:
+        if self._arrived is not None:
+            self._arrived.synchronize()
+        return bool(self._host)
+
+
 @dataclass
 class StepOutcome:
     """One optimizer step as the host will book it: its loss and gradient norm (device tensors, read
@@ -24,13 +45,10 @@ class StepOutcome:
     loss: torch.Tensor
     lr: float
     grad_norm: torch.Tensor
-    finite_on_host: torch.Tensor          # a 0-d bool tensor in host memory, written by `arrived`
-    arrived: torch.cuda.Event | None      # recorded after the copy; None: written already
+    applied_flag: ArrivingFlag
 
     def applied(self) -> bool:
-        if self.arrived is not None:
-            self.arrived.synchronize()     # waits for this step's flag, not for later queued work
-        return bool(self.finite_on_host)
+        return self.applied_flag.value()
 
 
 def step_unless_non_finite(optimizer: torch.optim.Optimizer, step: int, loss: torch.Tensor, lr: float,
@@ -44,28 +62,19 @@ def step_unless_non_finite(optimizer: torch.optim.Optimizer, step: int, loss: to
             optimizer.step()
         finally:
             del optimizer.found_inf  # type: ignore[attr-defined]
-        return _outcome(step, loss, lr, grad_norm, finite)
+        return StepOutcome(step, loss, lr, grad_norm, ArrivingFlag(finite))
     applied = bool(finite)  # a host read: cheap off the GPU, where the non-fused optimizer runs
     if applied:
         optimizer.step()
-    return StepOutcome(step, loss, lr, grad_norm, torch.tensor(applied), None)
+    return StepOutcome(step, loss, lr, grad_norm, ArrivingFlag(torch.tensor(applied)))
 
 
 def applied_outcome(step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> StepOutcome:
     """A step booked as applied (GradScaler skips non-finite float16 steps itself)."""
-    return StepOutcome(step, loss, lr, grad_norm, torch.tensor(True), None)
+    return StepOutcome(step, loss, lr, grad_norm, ArrivingFlag(torch.tensor(True)))
 
 
 def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Fused implementations (torch's `_step_supports_amp_scaling`) apply found_inf in their kernel."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
-
-def _outcome(step, loss, lr, grad_norm, finite: torch.Tensor) -> StepOutcome:
-    if not finite.is_cuda:
-        return StepOutcome(step, loss, lr, grad_norm, finite.clone(), None)
-    on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-    on_host.copy_(finite, non_blocking=True)
-    arrived = torch.cuda.Event()
-    arrived.record()
-    return StepOutcome(step, loss, lr, grad_norm, on_host, arrived)

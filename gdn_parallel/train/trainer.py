@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,33 +39,7 @@ from .progress import format_duration
 from .run_setup import set_up_run
 from .run_state import RunState
 from .step_outcome import applied_outcome, step_unless_non_finite
-
-
-class StopRequest:
-    """SIGTERM / SIGINT ask the run to stop after the step in flight (all ranks agree each step)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop (a collective: every rank calls it at each step; alone,
-        no device round trip, which would make the host wait for the step's kernels)."""
-        if dist.get_world_size() == 1:
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+from .stop_request import StopRequest
 
 
 class TrainingDiverged(FloatingPointError):
@@ -102,7 +74,7 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     config.validate(world_size=world)
     check_layers(config.model, config.parallel.tp)  # the layer pattern's rules (config cannot know mixers)
     run = set_up_run(config, device, print_fn, resume)
-    stop = StopRequest()
+    stop = StopRequest.for_device(device)
     try:
         for step in range(run.start_step, config.train.steps):
             if not _run_step(run, step, stop):

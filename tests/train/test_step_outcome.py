@@ -60,7 +60,7 @@ def test_the_fused_decision_reads_nothing_on_the_host():
     norm = torch.tensor(1.0).as_subclass(OnDevice)
     outcome = step_unless_non_finite(optimizer, 0, loss, 0.1, norm)  # fails on a host read
     # (read later, on a GPU from pinned host memory that the device wrote: here the stand-in unwrapped)
-    assert not bool(outcome.finite_on_host.as_subclass(torch.Tensor))
+    assert not bool(outcome.applied_flag._host.as_subclass(torch.Tensor))
 
 
 def test_the_trainer_books_a_device_skipped_step_as_before(tmp_path, monkeypatch):
