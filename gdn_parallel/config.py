@@ -172,6 +172,11 @@ class ModelConfig:
         None, "the MLP width (null: derived from model.hidden_ratio, flash-linear-attention's rule)",
         rule=_at_least(1, or_null=True))
     norm_eps: float = setting(1e-6, "the RMSNorm epsilon, e.g. 1e-6", rule=_number_above(0.0))
+    residual_in_fp32: bool = setting(
+        True, "under bf16/fp16 autocast, keep the residual stream (the blocks' running sum) in fp32; false: "
+              "in the autocast dtype, as FSDP2 with bf16 parameters and Megatron-LM by default run it (each "
+              "block input kept for the backward takes half the bytes; the stream's adds and norms move "
+              "half as much)")
     tie_word_embeddings: bool = setting(False, "the output layer shares the embedding's weights")
     initializer_range: float = setting(0.02, "the std of the initial weights, e.g. 0.02",
                                        rule=_number_above(0.0))

@@ -3,6 +3,7 @@ users run it, against the commit before it.
 
     mkdir -p .bench_baseline && git archive <ref> | tar -x -C .bench_baseline    # the other tree
     python3 tools/bench_ab.py --baseline .bench_baseline --configs configs/gdn-0.4b.yaml,configs/h1-0.4b.yaml
+    python3 tools/bench_ab.py --baseline . --this-set model.residual_in_fp32=false --configs ...  # a setting
 
 (On the device machine, carry the baseline folder: it is git-ignored.) Each config trains --steps
 steps in each tree, the baseline first, each tree with its own copy of the config and its own kernels
@@ -81,11 +82,12 @@ def compare(config_name: str, trees: dict, args, out_dir: Path) -> dict:
              *(x for o in args.overrides for x in ("--set", o))]
     row: dict = {"config": config_name}
     for label, tree in trees.items():
+        own = [x for o in args.this_overrides for x in ("--set", o)] if label == "this" else []
         config = tree / "configs" / config_name
         if not config.exists():
             raise SystemExit(f"bench_ab: {config} does not exist: the {label} tree has no config "
                              f"{config_name}")
-        run = run_config(config, args.steps, out_dir / label, extra, args.timeout, repo=tree,
+        run = run_config(config, args.steps, out_dir / label, [*extra, *own], args.timeout, repo=tree,
                          env={"PYTHONPATH": kernels_path(tree, out_dir / "paths" / label)})
         row[label] = {"passed": run["passed"], "why": run.get("why"), "log_tail": run.get("log_tail"),
                       **summarise(out_dir / label / config.stem, args.profile)}
@@ -167,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="15,16", help="FIRST,LAST: the profiled steps (train.profile_steps)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra override for every run (repeatable)")
+    p.add_argument("--this-set", dest="this_overrides", action="append", default=[],
+                   metavar="SECTION.FIELD=VALUE", help="an override for this tree's runs only (a setting "
+                   "measured against the same tree without it: --baseline .; repeatable)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_ab"))
     args = p.parse_args(argv)

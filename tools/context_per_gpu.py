@@ -3,7 +3,7 @@ by config, GPU memory and memory setting: one sequence per step, full activation
 and without activation offload and chunked recomputation.
 
     python tools/context_per_gpu.py --configs configs/gdn-0.4b.yaml,configs/h1-1.3b.yaml \
-        --gib 79.2,139.8
+        --gib 79.2,139.8 [--set model.residual_in_fp32=false]
 
 Contexts are searched in steps of --step tokens. The prediction has been within 10% of the peak the
 trainer measured (docs/benchmarks.md, "Memory at long context"); a context near a limit is worth a
@@ -54,13 +54,16 @@ def main(argv=None) -> int:
     p.add_argument("--gib", default="79.2,139.8", help="GPU memory in GiB (H100 80 GB: 79.2; H200: 139.8)")
     p.add_argument("--step", type=int, default=16384)
     p.add_argument("--limit", type=int, default=1 << 23)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a config override for every row, e.g. model.residual_in_fp32=false (repeatable)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     capacities = [float(g) for g in args.gib.split(",")]
     rows = []
     print(f"{'config':14s} {'setting':24s} " + " ".join(f"{f'{c:.1f} GiB':>22s}" for c in capacities))
     for path in args.configs.split(","):
-        for name, overrides in SETTINGS.items():
+        for name, setting in SETTINGS.items():
+            overrides = [*args.overrides, *setting]
             found = [longest(path, overrides, c, args.step, args.limit) for c in capacities]
             # offload needs the host memory to hold the inputs it moves there (page-locked)
             host = [predicted(path, overrides, t).offloaded_gib if t else 0.0 for t in found]

@@ -4,6 +4,7 @@
 #   bash tools/gpu_acceptance.sh bench04   (the 0.4b configs; bench takes the 1.3b ones)
 #   bash tools/gpu_acceptance.sh fp32_256  (the one fp32 K = V = 256 case: minutes of compilation)
 #   bash tools/gpu_acceptance.sh ab        (tools/bench_ab.py: this tree's trainer against .bench_baseline's)
+#   bash tools/gpu_acceptance.sh ab_stream (the same, model.residual_in_fp32=false against this tree's default)
 # Results and logs under $OUT (device tool) or runs/gpu_acceptance.
 # 1. tools/gpu_smoke.py: every config trains 20 steps at its own batch (finite, falling loss);
 # 2. the GPU tests in groups run at once, each with its own time limit, so that a slow or failing
@@ -80,6 +81,12 @@ if [[ " $parts " == *" ab "* ]]; then  # this tree against another (.bench_basel
         --set train.log_every=10 --timeout 130 --configs configs/gdn-0.4b.yaml,configs/h1-0.4b.yaml \
         --out "$out/bench_ab"
     tail -30 "$out/bench_ab.log"
+fi
+if [[ " $parts " == *" ab_stream "* ]]; then  # this tree with a bf16 residual stream against itself
+    step bench_ab_stream 560 python3 tools/bench_ab.py --baseline . --this-set model.residual_in_fp32=false \
+        --steps 40 --profile 35,36 --set train.log_every=10 --timeout 130 \
+        --configs configs/gdn-0.4b.yaml,configs/gdn-1.3b.yaml --out "$out/bench_ab_stream"
+    tail -30 "$out/bench_ab_stream.log"
 fi
 # The trainer rows' chrome traces (bench_trainer/*/profile/trace_rank0.json) are tens of MB each: leave
 # them out of what comes back from the device (tar --exclude='trace_*').

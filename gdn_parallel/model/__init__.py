@@ -3,7 +3,7 @@ from .architecture import architecture, architecture_differences
 from .attention import Attention
 from .build import build_model, part_names
 from .gated_deltanet import NO_WEIGHT_DECAY, GatedDeltaNet, ShortConvolution
-from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of
+from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of, residual_stream_dtype
 from .loss import TokenCrossEntropy
 from .mixers import (
     FULL_ATTENTION,
@@ -22,7 +22,8 @@ from .norm import GatedRMSNorm, RMSNorm
 from .sequence import SequenceInfo
 
 __all__ = ["Attention", "GatedDeltaNet", "ShortConvolution", "Block", "DroppedPart", "HybridLM", "LMOutput",
-           "blocks_of", "build_model", "part_names", "architecture", "architecture_differences",
+           "residual_stream_dtype", "blocks_of", "build_model", "part_names", "architecture",
+           "architecture_differences",
            "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_layers", "make_mixer",
            "mixer_kinds", "mixer_flops_per_token", "FULL_ATTENTION", "SLIDING_WINDOW", "TokenCrossEntropy",
            "SwiGLU", "GatedRMSNorm", "RMSNorm", "SequenceInfo", "NO_WEIGHT_DECAY"]

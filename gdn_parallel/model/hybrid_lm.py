@@ -16,7 +16,7 @@ from ..ops.rope import positions_from_cu_seqlens
 from .loss import LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
 from .mixers import MIXERS, check_layers, make_mixer, mixer_flops_per_token
 from .mlp import SwiGLU
-from .norm import ResidualRMSNorm, RMSNorm
+from .norm import ResidualRMSNorm, RMSNorm, narrower_autocast_dtype
 from .sequence import SequenceInfo
 
 
@@ -54,8 +54,18 @@ def init_linear_weights(module: nn.Module, config: ModelConfig) -> None:
                 out_proj.weight.div_(math.sqrt(2 * config.n_layers))
 
 
+def residual_stream_dtype(config: ModelConfig, autocast_dtype: torch.dtype | None,
+                          param_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The residual stream's dtype in a run of these parameters under `autocast_dtype` (None: no
+    autocast), as HybridLM.residual_stream makes it; for buffers sized before the first forward."""
+    if config.residual_in_fp32 or autocast_dtype is None or autocast_dtype.itemsize >= param_dtype.itemsize:
+        return param_dtype
+    return autocast_dtype
+
+
 class Block(nn.Module):
-    """x + mixer(norm(x)) = h, then h + mlp(norm(h)): pre-norm, the residual stream in fp32. Each norm
+    """x + mixer(norm(x)) = h, then h + mlp(norm(h)): pre-norm, the residual stream x in its own dtype
+    (fp32, or the autocast dtype: model.residual_in_fp32). Each norm
     also passes the stream on (and the second one makes h), so that on a GPU the sum, the norm and
     the stream's two gradients meet in one kernel (model/norm.py, ResidualRMSNorm)."""
 
@@ -128,7 +138,7 @@ class HybridLM(nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
         seq = seq or self.sequence_info(input_ids, cu_seqlens, position_ids)
-        hidden = self.embeddings(input_ids)
+        hidden = self.residual_stream(self.embeddings(input_ids))
         for block in self.layers:
             hidden = block(hidden, seq)
         hidden = self.norm(hidden)
@@ -136,6 +146,12 @@ class HybridLM(nn.Module):
             return LMOutput(logits=self.lm_head(hidden))
         loss_sum, count = self.loss_sum(hidden, labels)
         return LMOutput(loss=loss_sum / count.clamp_min(1), loss_sum=loss_sum, label_count=count)
+
+    def residual_stream(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The embedding's output as the residual stream: in the autocast dtype where
+        model.residual_in_fp32 is off, else (and outside autocast) as it comes."""
+        dtype = None if self.config.residual_in_fp32 else narrower_autocast_dtype(hidden)
+        return hidden if dtype is None else hidden.to(dtype)
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         """Summed cross-entropy over tokens with a label, and their count as a tensor (for global

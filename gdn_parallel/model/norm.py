@@ -11,7 +11,7 @@ from ..ops.triton_dispatch import auto_uses_triton, imported_kernel
 class RMSNorm(nn.Module):
     """Under autocast the output comes in the autocast dtype: it feeds matrix products only, which
     would cast it anyway, and once per consumer (six projections in a GDN layer), each cast copy
-    saved for the backward. The residual stream it reads stays in fp32."""
+    saved for the backward. The residual stream it reads keeps its own dtype (model.residual_in_fp32)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, out_dtype=_autocast_dtype(x))
+        return rms_norm(x, self.weight, self.eps, out_dtype=narrower_autocast_dtype(x))
 
 
 class ResidualRMSNorm(RMSNorm):
@@ -29,7 +29,7 @@ class ResidualRMSNorm(RMSNorm):
     meeting the norm's, each run in one kernel pass (gdn_kernels.norms.triton_residual_rms_norm)."""
 
     def forward(self, x: torch.Tensor, branch: torch.Tensor | None = None):  # type: ignore[override]
-        return residual_rms_norm(x, branch, self.weight, self.eps, out_dtype=_autocast_dtype(x))
+        return residual_rms_norm(x, branch, self.weight, self.eps, out_dtype=narrower_autocast_dtype(x))
 
 
 class GatedRMSNorm(RMSNorm):
@@ -64,7 +64,7 @@ def residual_rms_norm(x: torch.Tensor, branch: torch.Tensor | None, weight: torc
     return h, rms_norm(h, weight, eps, out_dtype=out_dtype)
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+def narrower_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype for x's device when autocast is on there and x is wider, else None."""
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):

@@ -173,13 +173,14 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | No
                 device=None, param_dtype: torch.dtype | None = None,
                 seq_len: int | None = None, activation_checkpointing: str = "none",
                 activation_offload: str = "none", activation_offload_blocks: int = 0,
-                recompute_chunks: int = 1) -> ParallelModel:
+                recompute_chunks: int = 1, stream_dtype: torch.dtype | None = None) -> ParallelModel:
     """Apply tp, pp, dp (and cp, through the batches) to `model`, initialised identically on every
     rank and already on `device`. `param_dtype` (bf16 on GPU) turns on FSDP2 mixed precision;
     `activation_checkpointing="full"` recomputes every block in the backward (checkpointing.py);
     `activation_offload="cpu"` keeps the inputs it saves of the first `activation_offload_blocks`
     blocks (0: all) in host memory (offload.py); `recompute_chunks` recomputes each block in that many
-    sequence chunks (checkpointing.py)."""
+    sequence chunks (checkpointing.py); `stream_dtype`, the residual stream's dtype in training
+    (model.residual_stream_dtype), is what pipeline stages send each other."""
     config = config or dims.config
     config.validate(model.config)
     check_layers(model.config, config.tp)
@@ -193,7 +194,7 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | No
     train_module: nn.Module = model
     if config.pp > 1:
         runner = build_pipeline(model, config, device, pp_group=dims.group("pp"),
-                                seq_len=seq_len or DEFAULT_BALANCE_SEQ_LEN)
+                                seq_len=seq_len or DEFAULT_BALANCE_SEQ_LEN, stream_dtype=stream_dtype)
         if config.dp * config.cp > 1 and config.data_parallel == "fsdp":
             for stage in runner.stage_modules:
                 apply_data_parallel(stage, dims, config, param_dtype)

@@ -189,7 +189,8 @@ class StageModule(nn.Module):
     `set_microbatches` + the index selected by `running(index)`, or are given explicitly.
     """
 
-    def __init__(self, model: HybridLM, stage_id: int, num_stages: int, layer_range: tuple):
+    def __init__(self, model: HybridLM, stage_id: int, num_stages: int, layer_range: tuple,
+                 stream_dtype: torch.dtype | None = None):
         super().__init__()
         start, end = layer_range
         if not 0 <= start < end <= len(model.layers):
@@ -204,8 +205,10 @@ class StageModule(nn.Module):
         self.lm_head = model.lm_head if self.is_last else None
         self.criterion = model.criterion if self.is_last else None
         dtype = next(self.layers.parameters()).dtype
-        self.hidden_dtype = dtype
+        # what the stages send each other: the residual stream (model.residual_stream_dtype)
+        self.hidden_dtype = stream_dtype or dtype
         self.loss_dtype = torch.promote_types(dtype, torch.float32)
+        self._residual_stream = model.residual_stream  # a bound method: no module registered twice
         self._microbatches: Sequence[Microbatch] | None = None
         self._current: int | None = None
 
@@ -241,6 +244,9 @@ class StageModule(nn.Module):
             if self.embeddings is None:
                 raise RuntimeError(f"stage {self.stage_id} is the first but holds no embeddings")
             hidden = self.embeddings(x)
+        # Every stage, not only the first: a stream that crossed in another dtype goes on as in one
+        # device's model (the casts between fp32 and the autocast dtype are exact).
+        hidden = self._residual_stream(hidden)
         for layer in self.layers.values():
             hidden = layer(hidden, seq)
         if not self.is_last:
@@ -299,7 +305,7 @@ class PipelineRunner:
     def __init__(self, model: HybridLM, parallel_config: ParallelConfig, device, pp_group=None,
                  pp_rank: int | None = None, pp_size: int | None = None,
                  seq_len: int = DEFAULT_BALANCE_SEQ_LEN,
-                 layer_ranges: Sequence[tuple] | None = None):
+                 layer_ranges: Sequence[tuple] | None = None, stream_dtype: torch.dtype | None = None):
         self.model = model
         self.config = parallel_config
         self.device = torch.device(device)
@@ -322,7 +328,7 @@ class PipelineRunner:
         if len(self.layer_ranges) != self.num_stages:
             raise ValueError(f"{len(self.layer_ranges)} layer ranges for {self.num_stages} stages")
         self.stage_ids = stage_ids_for_rank(self.pp_rank, self.pp_size, virtual)
-        self.stage_modules = [StageModule(model, s, self.num_stages, self.layer_ranges[s])
+        self.stage_modules = [StageModule(model, s, self.num_stages, self.layer_ranges[s], stream_dtype)
                               for s in self.stage_ids]
         self.has_first_stage = any(m.is_first for m in self.stage_modules)
         self.has_last_stage = any(m.is_last for m in self.stage_modules)
@@ -517,12 +523,15 @@ def _accepts(fn, name: str) -> bool:
 def build_pipeline(model: HybridLM, parallel_config: ParallelConfig, device, pp_group=None,
                    pp_rank: int | None = None, pp_size: int | None = None,
                    seq_len: int = DEFAULT_BALANCE_SEQ_LEN,
-                   layer_ranges: Sequence[tuple] | None = None) -> PipelineRunner:
+                   layer_ranges: Sequence[tuple] | None = None,
+                   stream_dtype: torch.dtype | None = None) -> PipelineRunner:
     """Split `model` into `pp * virtual_stages` stages and return this pp rank's runner.
 
     pp_group: the pipeline process group (default: the world); pp_rank / pp_size default to this
     process's place in it. 1F1B: stage = pp rank; interleaved: rank r holds r, r + pp, ....
     seq_len: the row length the attention costs of the layer balancing assume.
+    stream_dtype: the residual stream's dtype in training (model.residual_stream_dtype; default the
+    parameters'), which the stages send each other.
     The model must already be on `device` and already carry any other transformation of its
     modules (tensor parallelism swaps lm_head / criterion: apply it first); its parameters are
     shared, not copied (build the optimizer over `runner.parameters()`). A model built with only this
@@ -532,4 +541,5 @@ def build_pipeline(model: HybridLM, parallel_config: ParallelConfig, device, pp_
     `step` must already be on `device` (their SequenceInfo tensors are used as they are).
     """
     return PipelineRunner(model, parallel_config, device, pp_group=pp_group, pp_rank=pp_rank,
-                          pp_size=pp_size, seq_len=seq_len, layer_ranges=layer_ranges)
+                          pp_size=pp_size, seq_len=seq_len, layer_ranges=layer_ranges,
+                          stream_dtype=stream_dtype)

@@ -1,8 +1,10 @@
 """Peak GPU memory of a training step, predicted from the config before anything is built.
 
     peak = weights + gradients + optimizer state                 (fp32 each; AdamW: two moments)
-         + the block inputs kept for the backward on the GPU     (full checkpointing: one fp32 row of
-                                                                  hidden_size per token and block)
+         + the block inputs kept for the backward on the GPU     (full checkpointing: one row of
+                                                                  hidden_size per token and block, in
+                                                                  the residual stream's dtype: fp32, or
+                                                                  bf16 with model.residual_in_fp32 off)
          + the largest working set of one block in the backward  (its recomputed activations and
                                                                   their gradients, linear in tokens)
          + the loss's rows (the final norm's input, the fused cross-entropy's hidden gradient)
@@ -27,8 +29,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import Config, ModelConfig
-from ..model import HybridLM
+from ..model import HybridLM, residual_stream_dtype
 from ..model.mixers import FULL_ATTENTION, MIXERS
+from .optim import autocast_dtype
 
 GIB = 2 ** 30
 FP32, BF16 = 4, 2
@@ -57,15 +60,17 @@ class MemoryPrediction:
         return f"predicted peak {self.peak_gib:.1f} GiB{of} ({parts})"
 
 
-def activation_bytes_per_token(symbol: str, model: ModelConfig) -> tuple[float, float]:
+def activation_bytes_per_token(symbol: str, model: ModelConfig,
+                               stream_bytes: int = FP32) -> tuple[float, float]:
     """(kept, gradients): bytes per token one block of layer kind `symbol` keeps for its backward, and
     the gradients its backward holds beside them. Its mixer's (MixerKind.activation_bytes_per_token)
-    with the block's own: its input and the sum after its mixer (fp32 residual stream), the two
+    with the block's own: its input and the sum after its mixer (the residual stream, `stream_bytes`
+    an element), the two
     norms' outputs, the MLP's gate, up and SwiGLU product (bf16). Checked on an H100
     (tools/memory_account.py): a GDN block's working set 111.6 KiB/token measured against 110.6
     counted at hidden 2048, a sliding-window block's 84.8 against 83.6."""
     H, inter = model.hidden_size, model.mlp_dim
-    common = FP32 * 2 * H + BF16 * 2 * H + BF16 * 3 * inter
+    common = stream_bytes * 2 * H + BF16 * 2 * H + BF16 * 3 * inter
     mixer = MIXERS[symbol].activation_bytes_per_token
     kept, gradients = mixer(model) if mixer is not None else (0.0, 0.0)
     return common + kept, gradients
@@ -94,7 +99,9 @@ def predict_peak(config: Config, rows: int | None = None,
     shard = par.dp * cp if par.data_parallel == "fsdp" else 1
     local = (sum(block_params) + rest / tp) / shard
     weights, optimizer = FP32 * local, 2 * FP32 * local
-    row = FP32 * model.hidden_size * tokens / (tp if par.sequence_parallel else 1)   # one fp32 hidden row
+    # one hidden row of the residual stream (on the GPU, where autocast runs)
+    stream_bytes = residual_stream_dtype(model, autocast_dtype(train.dtype, torch.device("cuda"))).itemsize
+    row = stream_bytes * model.hidden_size * tokens / (tp if par.sequence_parallel else 1)
     if offload_blocks is None:
         offload_blocks = train.activation_offload_blocks if train.activation_offload == "cpu" else None
     if offload_blocks is None:
@@ -102,7 +109,7 @@ def predict_peak(config: Config, rows: int | None = None,
     else:
         offloaded = blocks if offload_blocks == 0 else min(offload_blocks, blocks)
     full = train.activation_checkpointing == "full"
-    activations = [activation_bytes_per_token(s, model) for s in symbols]
+    activations = [activation_bytes_per_token(s, model, stream_bytes) for s in symbols]
     # a block in its backward: its activations (recomputed under full checkpointing), their gradients,
     # its bf16 weight casts and fp32 weight-gradient transients
     # under chunked recomputation one chunk's at a time, and the block input's gradient assembled whole
@@ -127,9 +134,9 @@ def predict_peak(config: Config, rows: int | None = None,
         total = grads + kept + row + working[index]
         if total > peak_backward:
             peak_backward, kept_at_peak, working_at_peak = total, kept, working[index]
-    # The loss: the final norm's input and the fused cross-entropy's hidden gradient (fp32 rows) are
-    # kept from the forward; its backward adds a chunk of logits
-    loss = 2 * row
+    # The loss: the final norm's input (a row of the stream) and the fused cross-entropy's hidden
+    # gradient (an fp32 row) are kept from the forward; its backward adds a chunk of logits
+    loss = row + row * FP32 / stream_bytes
     peak = weights + optimizer + peak_backward + loss
     return MemoryPrediction(
         weights_gib=weights / GIB, gradients_gib=FP32 * local / GIB, optimizer_state_gib=optimizer / GIB,

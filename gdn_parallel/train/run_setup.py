@@ -28,7 +28,7 @@ from ..data import TokenBatches, check_vocabulary, load_dataset
 from ..data.dataset import data_field
 from ..data.tokenizer_record import tokenizer_files
 from ..data.validation import validation_set
-from ..model import HybridLM, build_model
+from ..model import HybridLM, build_model, residual_stream_dtype
 from ..ops.triton_dispatch import check_kernel_config
 from ..parallel.mesh import build_mesh
 from ..parallel.parallelize import parallelize
@@ -161,11 +161,13 @@ def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
     # same weights, and no rank holds another stage's.
     parts = parts_of_rank(config.model, pc, dims.rank("pp"), train.seq_len)
     model = build_model(config.model, device, train.seed, keep=parts.__contains__)
+    stream_dtype = residual_stream_dtype(config.model, autocast_dtype(train.dtype, device))
     parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len,
                            activation_checkpointing=train.activation_checkpointing,
                            activation_offload=train.activation_offload,
                            activation_offload_blocks=train.activation_offload_blocks,
-                           recompute_chunks=train.recompute_chunks)
+                           recompute_chunks=train.recompute_chunks,
+                           stream_dtype=stream_dtype)
     optimizer = build_optimizer(parallel.parameters(), train, device)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and train.dtype == "float16" else None
     # One global stream of rows in a fixed order, cut into micro-batches of dp x rows: replica r takes the

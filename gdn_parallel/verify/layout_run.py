@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig, ParallelConfig
 from ..data.packing import PackedBatch
-from ..model import build_model
+from ..model import build_model, residual_stream_dtype
 from ..parallel.mesh import ParallelDims, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
@@ -61,14 +61,16 @@ def part_of(parameter_name: str) -> str:
 
 
 def build_layout(layout: Layout, model_config: ModelConfig, seed: int, dims: ParallelDims,
-                 device: torch.device, optimizer: OptimizerSettings, seq_len: int):
+                 device: torch.device, optimizer: OptimizerSettings, seq_len: int,
+                 autocast_dtype: torch.dtype | None = None):
     """(parallel model, its trained named parameters, AdamW) of this rank, as the trainer builds them."""
     config = layout.parallel_config()
     parts = parts_of_rank(model_config, config, dims.rank("pp"), seq_len)
     model = build_model(model_config, device, seed, keep=parts.__contains__)
     parallel = parallelize(model, dims, config, device=device, seq_len=seq_len,
                            activation_checkpointing=layout.activation_checkpointing,
-                           activation_offload=layout.activation_offload)
+                           activation_offload=layout.activation_offload,
+                           stream_dtype=residual_stream_dtype(model_config, autocast_dtype))
     named = [(n, p) for n, p in parallel.named_parameters() if p.requires_grad]
     return parallel, named, optimizer.build(p for _, p in named)
 
@@ -84,13 +86,13 @@ def run_layout(layout: Layout, model_config: ModelConfig, seed: int, steps: Sequ
     checkpoint leg (checkpoint_leg.py) around the first two steps."""
     config = layout.parallel_config()
     dims = build_mesh(config, device.type)
-    parallel, named, opt = build_layout(layout, model_config, seed, dims, device, optimizer, seq_len)
+    def build(at_seed: int):
+        return build_layout(layout, model_config, at_seed, dims, device, optimizer, seq_len, autocast_dtype)
+    parallel, named, opt = build(seed)
     leg = None
     if checkpoint is not None:
-        leg = CheckpointLeg(checkpoint, layout, dims,
-                            lambda other_seed: build_layout(layout, model_config, other_seed, dims, device,
-                                                            optimizer, seq_len),
-                            steps[SAVED_AFTER], reference, optimizer.grad_clip, seed, autocast_dtype,
+        leg = CheckpointLeg(checkpoint, layout, dims, build, steps[SAVED_AFTER], reference,
+                            optimizer.grad_clip, seed, autocast_dtype,
                             inject_fault if inject_fault in CHECKPOINT_FAULTS else None)
     measured = RankMeasurement()
     for index, batch in enumerate(steps):

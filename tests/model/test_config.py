@@ -100,6 +100,7 @@ BAD_INPUTS = [
     ("model.norm_eps=-1", "model.norm_eps"),
     ("model.norm_eps=0", "model.norm_eps"),
     ("model.tie_word_embeddings=2", "model.tie_word_embeddings"),
+    ("model.residual_in_fp32=maybe", "model.residual_in_fp32"),
     ("model.initializer_range=-1", "model.initializer_range"),
     ("model.initializer_range=0", "model.initializer_range"),
     ("model.fused_linear_cross_entropy=2", "model.fused_linear_cross_entropy"),

@@ -2,6 +2,7 @@
 pp x tp) equals one process: the loss, every parameter gradient (on the pp rank that holds the
 parameter) and the parameters after two AdamW steps; plus the layer balancing of the stages."""
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -212,6 +213,31 @@ def test_stage_module_needs_its_microbatch():
     with pytest.raises(RuntimeError, match="without knowing its microbatch"):
         stage(torch.zeros(1, TOTAL, 32))
     assert next(n for n, _ in stage.named_parameters()).startswith("layers.2.")
+
+
+@pytest.mark.parametrize("in_fp32", [True, False])
+def test_stages_send_the_residual_stream_in_its_training_dtype(in_fp32):
+    """model.residual_in_fp32=false under bf16 autocast: the stages send bf16 (half the bytes) and their
+    blocks see the stream one device's model sees, bit for bit (the first stage's embedding output
+    and a stream that arrives in fp32 are rounded as there); true: fp32 throughout."""
+    seed_torch(5)
+    model = HybridLM(dataclasses.replace(model_config(), residual_in_fp32=in_fp32))
+    stream = torch.float32 if in_fp32 else torch.bfloat16
+    first = StageModule(model, 0, 2, (0, 2), stream_dtype=stream)
+    last_blocks = StageModule(model, 1, 3, (2, 4), stream_dtype=stream)
+    batch = make_batch(LAYOUTS[0][0], seed=0)
+    seq = model.sequence_info(batch.input_ids, batch.cu_seqlens, batch.position_ids)
+    outputs = {}
+    hooks = [model.layers[i].register_forward_hook(lambda m, a, out, i=i: outputs.setdefault(i, out))
+             for i in (1, 3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(batch.input_ids, seq=seq)
+        for h in hooks:
+            h.remove()
+        sent = first(batch.input_ids, seq=seq)
+        received = last_blocks(sent.float(), seq=seq)  # as a stage built without the stream dtype sends it
+    assert first.hidden_dtype == last_blocks.hidden_dtype == sent.dtype == received.dtype == stream
+    assert torch.equal(sent, outputs[1]) and torch.equal(received, outputs[3])
 
 
 def _check_ranges(ranges, n_layers, num_stages):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -15,7 +16,8 @@ SMALL = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.mi
 
 def test_both_trees_train_and_are_compared(tmp_path, capsys):
     args = ["--baseline", str(REPO), "--configs", "configs/tiny-cpu.yaml", "--steps", "7", "--profile", "3,3",
-            "--timeout", "300", "--out", str(tmp_path), *(x for o in SMALL for x in ("--set", o))]
+            "--timeout", "300", "--out", str(tmp_path), *(x for o in SMALL for x in ("--set", o)),
+            "--this-set", "model.residual_in_fp32=false"]
     assert bench_ab.main(args) == 0, capsys.readouterr().out[-3000:]
     row = json.loads((tmp_path / "bench_ab.json").read_text())["rows"][0]
     for label in ("baseline", "this"):
@@ -24,6 +26,9 @@ def test_both_trees_train_and_are_compared(tmp_path, capsys):
         assert set(run["profile"]) == {"wall_ms", "busy_ms", "idle_share", "buckets_ms"}
         # each tree ran its own kernels from its own path folder
         assert (tmp_path / "paths" / label / "gdn_kernels").resolve() == REPO / "kernels"
+        # --this-set reaches this tree's run only
+        ran = yaml.safe_load((tmp_path / label / "tiny-cpu" / "config.yaml").read_text())
+        assert ran["model"]["residual_in_fp32"] is (label == "baseline")
     assert row["ratio"] == pytest.approx(row["this"]["tokens_per_s"] / row["baseline"]["tokens_per_s"])
     out = capsys.readouterr().out
     assert "ratio" in out and "baseline -> this" in out

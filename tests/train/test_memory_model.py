@@ -47,6 +47,22 @@ def test_offload_moves_block_inputs_to_the_host():
     assert part.offloaded_gib == pytest.approx(offloaded.offloaded_gib / 2)
 
 
+def test_a_bf16_residual_stream_halves_the_rows_of_the_stream():
+    """model.residual_in_fp32=false under bf16: each kept or offloaded block input, the stream's
+    gradient and the final norm's input take 2 bytes an element instead of 4."""
+    fp32 = predict_peak(h1(262144, "train.activation_offload=cpu"))
+    bf16 = predict_peak(h1(262144, "train.activation_offload=cpu", "model.residual_in_fp32=false"))
+    assert bf16.offloaded_gib == pytest.approx(fp32.offloaded_gib / 2)
+    kept_fp32 = predict_peak(h1(131072))
+    kept_bf16 = predict_peak(h1(131072, "model.residual_in_fp32=false"))
+    assert kept_bf16.block_inputs_gib == pytest.approx(kept_fp32.block_inputs_gib / 2)
+    assert kept_bf16.loss_gib == pytest.approx(kept_fp32.loss_gib * 3 / 4)  # a stream row, an fp32 one
+    assert kept_bf16.peak_gib < kept_fp32.peak_gib
+    # a float32 run has no autocast: the setting changes nothing
+    plain = predict_peak(h1(131072, "train.dtype=float32", "model.residual_in_fp32=false"))
+    assert plain.peak_gib == pytest.approx(predict_peak(h1(131072, "train.dtype=float32")).peak_gib)
+
+
 def test_context_parallelism_divides_the_tokens():
     one = predict_peak(h1(262144, "train.activation_offload=cpu"))
     two = predict_peak(h1(524288, "train.activation_offload=cpu", "parallel.cp=2"))
