@@ -72,6 +72,13 @@ def test_half_branch_and_output_over_an_fp32_stream(poisoned, with_branch):
     _check(inputs, torch.float16, True, True, tol=5e-3)
 
 
+@pytest.mark.parametrize("with_branch", [False, True])
+def test_a_half_stream(poisoned, with_branch):
+    """model.residual_in_fp32=false: the stream, the branch and the norm output all half precision."""
+    inputs = _inputs((2, 45, 100), torch.float16, torch.float16, with_branch, seed=9)
+    _check(inputs, None, True, True, tol=5e-3)
+
+
 def test_the_stream_passes_through_unchanged_without_a_branch():
     x, _, weight, _, _ = _inputs((5, 24), torch.float32, torch.float32, False, seed=3)
     h, _ = triton_residual_rms_norm(x, None, weight, EPS)
@@ -90,6 +97,14 @@ def test_shape_mismatch_is_named():
 def test_bf16_branch_at_training_shape(with_branch):
     inputs = _inputs((65536, 2048), torch.float32, torch.bfloat16, with_branch, seed=11)
     _check(inputs, torch.bfloat16, True, True, tol=1e-2)
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_branch", [False, True])
+def test_bf16_stream_at_training_shape(with_branch):
+    inputs = _inputs((65536, 2048), torch.bfloat16, torch.bfloat16, with_branch, seed=12)
+    _check(inputs, None, True, True, tol=1e-2)
 
 
 @gpu_only
