@@ -176,7 +176,7 @@ class ModelConfig:
         True, "under bf16/fp16 autocast, keep the residual stream (the blocks' running sum) in fp32; false: "
               "in the autocast dtype, as FSDP2 with bf16 parameters and Megatron-LM by default run it (each "
               "block input kept for the backward takes half the bytes; the stream's adds and norms move "
-              "half as much)")
+              "half as much). With train.dtype=float16 keep it true: the stream can outgrow float16's range")
     tie_word_embeddings: bool = setting(False, "the output layer shares the embedding's weights")
     initializer_range: float = setting(0.02, "the std of the initial weights, e.g. 0.02",
                                        rule=_number_above(0.0))
