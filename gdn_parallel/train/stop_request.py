@@ -45,12 +45,18 @@ class StopRequest:
         when it voted `lag` steps ago. A collective: every rank calls it once per step."""
         if dist.get_world_size() == 1:
             return self.requested
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self._votes.append(ArrivingFlag(flag > 0))
+        self.cast_vote(device)
         if len(self._votes) <= self.lag:
             return False
         return self._votes.popleft().value()
+
+    def cast_vote(self, device: torch.device) -> None:
+        """Queue this rank's vote and its way to the host, without waiting for the device."""
+        # A fill kernel: torch.tensor([...], device=cuda) copies from pageable host memory, which waits
+        # for every queued kernel.
+        vote = torch.full((1,), float(self.requested), device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        self._votes.append(ArrivingFlag(vote > 0))
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
