@@ -38,7 +38,8 @@ from ..model import blocks_of
 from .mesh import ParallelDims
 from .tensor import tp_shard_dim
 
-__all__ = ["apply_data_parallel", "clip_grad_norm", "global_label_count", "hsdp_mesh"]
+__all__ = ["apply_data_parallel", "clip_grad_norm", "global_label_count", "global_label_normalizer",
+           "hsdp_mesh"]
 
 
 # ---------------------------------------------------------------- meshes and blocks
@@ -250,6 +251,19 @@ def _squared_sums(groups: dict, acc: torch.dtype, device: torch.device) -> dict:
         entry = sums.setdefault(shard_key, torch.zeros(2, dtype=acc, device=device))
         entry[int(tp_sharded)] += torch.stack(norms).to(device).square().sum()
     return sums
+
+
+def global_label_normalizer(local_count: int, dims: ParallelDims) -> int | torch.Tensor:
+    """The divisor of a training step's summed loss: the labels over the dp replicas, at least 1. With
+    dp = 1 the host's number; over several replicas a 0-d tensor on the mesh's device, all-reduced
+    there and never read on the host (on a GPU the read would wait for the previous step's kernels,
+    and the next step's first launches for the read)."""
+    if dims.config.dp == 1:
+        return max(int(local_count), 1)
+    # a fill kernel: a copy from pageable host memory would wait for the device too
+    count = torch.full((), int(local_count), dtype=torch.int64, device=_mesh_device(dims))
+    dist.all_reduce(count, group=dims.group("dp"))
+    return count.clamp_min(1)
 
 
 def global_label_count(local_count: int | torch.Tensor, dims: ParallelDims) -> int:

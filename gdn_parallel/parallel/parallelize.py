@@ -24,7 +24,7 @@ from ..config import ParallelConfig
 from ..model import HybridLM, check_layers
 from .batch import all_reduce_gradients, label_count, shard_batch
 from .checkpointing import apply_activation_checkpointing
-from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
+from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count, global_label_normalizer
 from .mesh import ParallelDims
 from .offload import BlockInputOffload
 from .pipeline import DEFAULT_BALANCE_SEQ_LEN, PipelineRunner, as_microbatch, build_pipeline
@@ -61,7 +61,7 @@ class ParallelModel:
             raise ValueError("a loss scaler (train.dtype=float16) is not supported with pipeline "
                              "parallelism; use bfloat16")
         local_labels = sum(label_count(row) for row in rows)
-        normalizer = max(global_label_count(local_labels, self.dims), 1)
+        normalizer = global_label_normalizer(local_labels, self.dims)
         microbatches = [self._shard(row) for row in rows]
         # The messages of a step's context parallelism live as long as the step.
         plans = [getattr(mb, "context", None) for mb in microbatches]

@@ -334,7 +334,7 @@ class PipelineRunner:
         self.has_last_stage = any(m.is_last for m in self.stage_modules)
         self.last_stage_rank = (self.num_stages - 1) % self.pp_size
         self.tied = model.config.tie_word_embeddings
-        self._label_normalizer = 1.0
+        self._label_normalizer: float | torch.Tensor = 1.0
         self._schedule = None
         self._schedule_key: tuple | None = None
 
@@ -393,7 +393,7 @@ class PipelineRunner:
         return self._schedule
 
     # -- one step --------------------------------------------------------------------------------
-    def step(self, microbatches: Sequence[Any], label_normalizer: float,
+    def step(self, microbatches: Sequence[Any], label_normalizer: float | torch.Tensor,
              broadcast_loss: bool = True) -> torch.Tensor | None:
         mbs = [as_microbatch(m, self.model) for m in microbatches]
         if not mbs:
@@ -404,7 +404,9 @@ class PipelineRunner:
                 raise ValueError(f"microbatch {i} has input_ids {tuple(mb.input_ids.shape)} / labels "
                                  f"{tuple(mb.labels.shape)}; every microbatch of a step must have "
                                  f"the shape of microbatch 0, {shape} (pipeline buffers are static)")
-        self._label_normalizer = float(max(label_normalizer, 1))
+        # a device tensor (global_label_normalizer over dp) is used as it is: reading it would wait
+        self._label_normalizer = (label_normalizer if isinstance(label_normalizer, torch.Tensor)
+                                  else float(max(label_normalizer, 1)))
         with sends_finished(mb.seq.cp for mb in mbs):  # context-parallel sends inside the stages
             if self.pp_size == 1:
                 return self._step_single(mbs)

@@ -12,7 +12,12 @@ from torch import nn
 from gdn_parallel.config import ModelConfig, ParallelConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.batch import cp_loss, shard_batch
-from gdn_parallel.parallel.data_parallel import apply_data_parallel, clip_grad_norm, global_label_count
+from gdn_parallel.parallel.data_parallel import (
+    apply_data_parallel,
+    clip_grad_norm,
+    global_label_count,
+    global_label_normalizer,
+)
 from gdn_parallel.parallel.mesh import build_mesh
 from tests.compare import assert_close_set, rel_err
 from tests.parallel.batches import make_batch
@@ -224,3 +229,16 @@ def test_unknown_data_parallel_mode_is_rejected():
     config.data_parallel = "zero3"
     with pytest.raises(ValueError, match="parallel.data_parallel='zero3'"):
         apply(nn.Linear(2, 2), Dims(), config)
+
+
+def _normalizers(rank, world_size):
+    dims = build_mesh(ParallelConfig(dp=world_size), "cpu")
+    counts = {0: [3, 0], 1: [5, 0]}[rank] if world_size == 2 else [7, 0]
+    return [(type(g).__name__, int(g)) for g in (global_label_normalizer(c, dims) for c in counts)]
+
+
+def test_the_loss_normalizer_stays_on_the_device_over_dp():
+    """Over dp replicas the step's divisor is an all-reduced tensor, never a host number (which would be
+    a device read on a GPU): the labels summed, at least 1; with dp = 1 the host's own count."""
+    assert run_workers(_normalizers, 2) == [[("Tensor", 8), ("Tensor", 1)]] * 2
+    assert run_workers(_normalizers, 1) == [[("int", 7), ("int", 1)]]
