@@ -66,7 +66,7 @@ def summarise(run_dir: Path, profile: tuple[int, int]) -> dict:
     table_file = run_dir / "profile" / "buckets_rank0.json"
     table = json.loads(table_file.read_text()) if table_file.exists() else None
     return {
-        "steps": len(steps),
+        "steps": steps[-1]["step"] + 1 if steps else 0,  # a record covers train.log_every steps
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
         "mfu": (statistics.median(r["mfu"] for r in steady)
                 if steady and steady[0]["mfu"] is not None else None),

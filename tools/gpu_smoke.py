@@ -69,9 +69,11 @@ def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: 
         records = read_metrics(metrics)
     steps_done = [r for r in records if "loss" in r and "step" in r]
     losses = [r["loss"] for r in steps_done]
+    # At train.log_every > 1 a record stands for several steps: the run is whole when its last step is logged.
+    completed = steps_done[-1]["step"] + 1 if steps_done else 0
     later = steps_done[2:] or steps_done  # step 0 compiles; step 1 may still tune
     result = {
-        "config": config.name, "returncode": proc.returncode, "steps": len(losses),
+        "config": config.name, "returncode": proc.returncode, "steps": completed,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
         "launch_to_first_step_s": first_step_s,
         "first_step_s": steps_done[0]["interval_s"] if steps_done else None,
@@ -83,11 +85,11 @@ def run_config(config: Path, steps: int, out_dir: Path, extra: list, timeout_s: 
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
     third = max(1, len(losses) // 3)
     falling = len(losses) >= 2 and sum(losses[-third:]) < sum(losses[:third])
-    result["passed"] = proc.returncode == 0 and len(losses) == steps and finite and falling
+    result["passed"] = proc.returncode == 0 and completed == steps and finite and falling
     if not result["passed"]:
         result["why"] = (f"exit status {proc.returncode}" if proc.returncode else
                          "non-finite loss" if not finite else "loss not falling" if not falling else
-                         f"{len(losses)} of {steps} steps")
+                         f"{completed} of {steps} steps")
         result["log_tail"] = lines[-15:]
     return result
 

@@ -15,14 +15,17 @@ SMALL = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.mi
 
 
 def test_both_trees_train_and_are_compared(tmp_path, capsys):
-    args = ["--baseline", str(REPO), "--configs", "configs/tiny-cpu.yaml", "--steps", "7", "--profile", "3,3",
-            "--timeout", "300", "--out", str(tmp_path), *(x for o in SMALL for x in ("--set", o)),
+    # Logging every 3 steps as the configs log every 10: records at 0, 3, 6, 9; only 9's interval
+    # (7-9) is steady, and the run is whole though it has 4 records for its 10 steps.
+    args = ["--baseline", str(REPO), "--configs", "configs/tiny-cpu.yaml", "--steps", "10",
+            "--profile", "3,3", "--timeout", "300", "--out", str(tmp_path),
+            *(x for o in SMALL for x in ("--set", o)), "--set", "train.log_every=3",
             "--this-set", "model.residual_in_fp32=false"]
     assert bench_ab.main(args) == 0, capsys.readouterr().out[-3000:]
     row = json.loads((tmp_path / "bench_ab.json").read_text())["rows"][0]
     for label in ("baseline", "this"):
         run = row[label]
-        assert run["passed"] and run["steps"] == 7 and run["tokens_per_s"] > 0
+        assert run["passed"] and run["steps"] == 10 and run["tokens_per_s"] > 0
         assert set(run["profile"]) == {"wall_ms", "busy_ms", "idle_share", "buckets_ms"}
         # each tree ran its own kernels from its own path folder
         assert (tmp_path / "paths" / label / "gdn_kernels").resolve() == REPO / "kernels"
