@@ -11,7 +11,9 @@ steps in each tree, the baseline first, each tree with its own copy of the confi
 every step unless --set train.log_every says otherwise, train.profile_steps over --profile). Per tree:
 the median tokens/s over the logged intervals from the third step on, leaving out those that hold a
 profiled step or the step after them (the profiler waits for the device);
-MFU, peak memory, and the profile's wall and busy time per step, GPU idle share and buckets. Per config
+MFU, peak memory, and the profile's wall and busy time per step, GPU idle share and buckets; then the
+steady steps' wall time and their idle share (the profile's busy time against it: the profiler's own
+work slows the host, so the profiled steps can idle where the others do not). Per config
 the ratio of this tree's tokens/s to the baseline's. A table on stdout, JSON in --out/bench_ab.json and,
 with matplotlib, the buckets side by side in --out/bench_ab.png.
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_smoke import REPO, run_config  # noqa: E402
 
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402  (gpu_smoke put the repo on the path)
+from gdn_parallel.train.profiling import steady_idle_share  # noqa: E402
 
 
 def kernels_path(tree: Path, folder: Path) -> str:
@@ -65,12 +68,17 @@ def summarise(run_dir: Path, profile: tuple[int, int]) -> dict:
     steady = steady_records(steps, profile)
     table_file = run_dir / "profile" / "buckets_rank0.json"
     table = json.loads(table_file.read_text()) if table_file.exists() else None
+    step_ms = (statistics.median(1e3 * r["interval_s"] / r["interval_steps"] for r in steady)
+               if steady else None)
     return {
         "steps": steps[-1]["step"] + 1 if steps else 0,  # a record covers train.log_every steps
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
         "mfu": (statistics.median(r["mfu"] for r in steady)
                 if steady and steady[0]["mfu"] is not None else None),
         "peak_mem_gib": max(r["mem_mib"] for r in steps) / 1024 if steps else None,
+        "step_ms": step_ms,
+        "idle_share_steady": (steady_idle_share(table["busy_ms"], step_ms)  # GPU only (kernel time)
+                              if table and table["idle_share"] is not None and step_ms else None),
         "profile": None if table is None else {k: table[k] for k in ("wall_ms", "busy_ms", "idle_share",
                                                                       "buckets_ms")},
     }
@@ -98,7 +106,7 @@ def compare(config_name: str, trees: dict, args, out_dir: Path) -> dict:
 
 def table(rows: list) -> str:
     head = (f"{'config':16s} {'tree':9s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s} {'wall ms':>8s} "
-            f"{'busy ms':>8s} {'idle':>6s}")
+            f"{'busy ms':>8s} {'idle':>6s} {'step ms':>8s} {'idle':>6s}")
     lines = [head, "-" * len(head)]
 
     def num(value, fmt):
@@ -113,7 +121,8 @@ def table(rows: list) -> str:
             lines.append(f"{row['config']:16s} {label:9s} {num(r['tokens_per_s'], '9,.0f')} "
                          f"{percent(r['mfu']):>6s} {num(r['peak_mem_gib'], '9.1f')} "
                          f"{num(p.get('wall_ms'), '8.1f')} {num(p.get('busy_ms'), '8.1f')} "
-                         f"{percent(p.get('idle_share')):>6s}")
+                         f"{percent(p.get('idle_share')):>6s} {num(r['step_ms'], '8.1f')} "
+                         f"{percent(r['idle_share_steady']):>6s}")
         lines.append(f"{row['config']:16s} {'ratio':9s} {num(row['ratio'], '9.3f')}")
     return "\n".join(lines)
 

@@ -15,7 +15,9 @@ when fla-core is not importable. Out-of-memory is reported as such.
 --trainer N: first, per config, the trainer as users run it (`python -m gdn_parallel.train --config
 C`, its own batch, micro-batches, data, clipping and logging, N steps, checkpoints off), steps N-4 and
 N-3 under train.profile_steps: its steady tokens/s (median of the later steps' lines, profiled steps
-left out), MFU, peak memory, and the profile's GPU-idle share and time buckets, beside the bare steps.
+left out), MFU, peak memory, and the profile's GPU-idle share and time buckets, beside the bare steps;
+also the idle share of the steady steps (the profile's busy time against their wall time: the
+profiler's own work slows the host, so on a slow host the profiled steps idle more than the others).
 
 --account: one forward of our model per config at --account-batch sequences, with every tensor saved
 for the backward counted once (by storage) and charged to the module that saved it: where the
@@ -42,6 +44,7 @@ from gdn_parallel.config import Config  # noqa: E402
 from gdn_parallel.model import HybridLM  # noqa: E402
 from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402
+from gdn_parallel.train.profiling import steady_idle_share  # noqa: E402
 from gdn_parallel.train.progress import peak_flops_per_s  # noqa: E402
 from tools.bench_common import free_memory, is_oom, timed_ms  # noqa: E402
 
@@ -107,9 +110,12 @@ def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()
     steady = [r for r in lines if r["step"] >= 3 and not steps - 5 <= r["step"] <= steps - 3]
     profile = json.loads((run_dir / "profile" / "buckets_rank0.json").read_text())
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
-    return {**row, "tokens_per_s": tokens_per_s, "step_ms": None, "mfu": statistics.median(
+    step_ms = statistics.median(1e3 * r["interval_s"] / r["interval_steps"] for r in steady)
+    return {**row, "tokens_per_s": tokens_per_s, "step_ms": step_ms, "mfu": statistics.median(
                 r["mfu"] or 0.0 for r in steady) or None,
             "peak_gib": max(r["mem_mib"] for r in lines) / 1024, "idle_share": profile["idle_share"],
+            "idle_share_steady": (None if profile["idle_share"] is None  # a CPU run: no kernel time
+                                  else steady_idle_share(profile["busy_ms"], step_ms)),
             "profile_wall_ms": profile["wall_ms"], "buckets_ms": profile["buckets_ms"],
             "top_kernels": profile["top"]}
 
@@ -338,7 +344,8 @@ def main(argv=None) -> int:
         step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f}"
         print(f"{Path(r['config']).name:24s} {r['model']:18s} {r['batch']:5d} {r['micro']:5d} "
               f"{step_ms:>9s} {r['tokens_per_s']:9,.0f} {mfu:>6s} {r['peak_gib']:9.1f}"
-              + (f"  GPU idle {r['idle_share']:.1%}" if r.get("idle_share") is not None else ""))
+              + (f"  GPU idle {r['idle_share']:.1%} profiled, {r['idle_share_steady']:.1%} steady"
+                 if r.get("idle_share") is not None else ""))
     for r in results:
         if r.get("buckets_ms"):
             print(f"\n{r['model']} profile, {Path(r['config']).name}: {r['profile_wall_ms']:.1f} ms a step")

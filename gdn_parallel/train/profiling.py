@@ -153,6 +153,13 @@ def bucket_table(profile, wall_ms: float, steps: int, on_gpu: bool) -> dict:
             "buckets_ms": per_step, "top": [{"name": n[:120], "ms_per_step": t / steps} for n, t in top]}
 
 
+def steady_idle_share(busy_ms: float, step_ms: float) -> float:
+    """The GPU-idle share of an unprofiled step: a profiled step's busy time against the wall time of
+    the steady steps around it. The profiler's own per-operator work slows the host, so where the host
+    launches just ahead of the device, the profiled steps' idle share shows mostly the profiler."""
+    return max(0.0, 1 - busy_ms / step_ms)
+
+
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals in microseconds, as milliseconds."""
     total, reach = 0.0, float("-inf")

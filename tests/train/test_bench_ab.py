@@ -27,6 +27,7 @@ def test_both_trees_train_and_are_compared(tmp_path, capsys):
         run = row[label]
         assert run["passed"] and run["steps"] == 10 and run["tokens_per_s"] > 0
         assert set(run["profile"]) == {"wall_ms", "busy_ms", "idle_share", "buckets_ms"}
+        assert run["step_ms"] > 0 and run["idle_share_steady"] is None  # no GPU kernels on the CPU
         # each tree ran its own kernels from its own path folder
         assert (tmp_path / "paths" / label / "gdn_kernels").resolve() == REPO / "kernels"
         # --this-set reaches this tree's run only
@@ -42,10 +43,12 @@ def test_steady_steps_leave_out_warmup_and_the_profiled_window(tmp_path):
     run.mkdir()
     rates = {0: 1.0, 1: 2.0, 2: 100.0, 3: 5.0, 4: 6.0, 5: 100.0, 6: 100.0}  # 3 profiled, 4 after it
     run.joinpath("metrics.jsonl").write_text("\n".join(
-        json.dumps({"step": s, "loss": 1.0, "tokens_per_s": r, "mfu": None, "mem_mib": 1024.0 * s})
+        json.dumps({"step": s, "loss": 1.0, "tokens_per_s": r, "mfu": None, "mem_mib": 1024.0 * s,
+                    "interval_s": 1 / r, "interval_steps": 1})  # one token a step
         for s, r in rates.items()))
     summary = bench_ab.summarise(run, (3, 3))
     assert summary["tokens_per_s"] == 100.0 and summary["peak_mem_gib"] == 6.0 and summary["profile"] is None
+    assert summary["step_ms"] == pytest.approx(10.0)
     with run.joinpath("metrics.jsonl").open("a") as fh:  # a run killed on its timeout mid-write
         fh.write('\n{"step": 7, "loss": 1.0, "tok')
     assert bench_ab.summarise(run, (3, 3)) == summary

@@ -6,7 +6,7 @@ import pytest
 
 from gdn_parallel.config import Config, ConfigError, parse_profile_steps
 from gdn_parallel.train import run_training
-from gdn_parallel.train.profiling import BUCKETS, _union_ms, bucket_of
+from gdn_parallel.train.profiling import BUCKETS, _union_ms, bucket_of, steady_idle_share
 
 SMALL = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.eval_every=0",
          "train.log_every=1", "checkpoint.enabled=false"]
@@ -62,6 +62,11 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert _union_ms([]) == 0.0
 
 
+def test_the_steady_idle_share_is_busy_time_against_the_unprofiled_step():
+    assert steady_idle_share(90.0, 100.0) == pytest.approx(0.1)
+    assert steady_idle_share(105.0, 100.0) == 0.0  # a profiled step's kernels ran slower than a steady step
+
+
 def test_bench_train_times_the_trainer_as_users_run_it(tmp_path):
     """tools/bench_train.py --trainer: the trainer's own process and steps, its profile beside them."""
     from tools.bench_train import trainer_row
@@ -69,6 +74,7 @@ def test_bench_train_times_the_trainer_as_users_run_it(tmp_path):
     assert "error" not in row, row.get("error")
     assert row["model"] == "trainer" and row["batch"] == 4 and row["tokens_per_s"] > 0
     assert row["peak_gib"] > 0 and set(row["buckets_ms"]) == set(BUCKETS)
+    assert row["step_ms"] > 0 and row["idle_share_steady"] is None  # the CPU has no kernel time
     assert "train.profile_steps=4,5" in row["command"]
 
 
