@@ -32,6 +32,7 @@ from gpu_smoke import REPO, run_config  # noqa: E402
 
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402  (gpu_smoke put the repo on the path)
 from gdn_parallel.train.profiling import steady_idle_share  # noqa: E402
+from tools.bench_common import steady_records  # noqa: E402
 
 
 def kernels_path(tree: Path, folder: Path) -> str:
@@ -44,20 +45,6 @@ def kernels_path(tree: Path, folder: Path) -> str:
     link.symlink_to(tree.resolve() / "kernels", target_is_directory=True)
     rest = os.environ.get("PYTHONPATH", "")
     return os.pathsep.join(p for p in (str(folder), str(tree.resolve()), rest) if p)
-
-
-def steady_records(steps: list[dict], profile: tuple[int, int]) -> list[dict]:
-    """The step records whose tokens/s is steady: a record's rate covers the steps since the previous
-    record (one step at train.log_every=1, ten at the configs' 10), so it counts only where none of
-    those is a warm-up step (0, 1) or in the profiled window or the step after it."""
-    first, last = profile
-    steady, previous = [], -1
-    for record in steps:
-        covered = range(previous + 1, record["step"] + 1)
-        previous = record["step"]
-        if covered.start >= 2 and not any(first <= s <= last + 1 for s in covered):
-            steady.append(record)
-    return steady
 
 
 def summarise(run_dir: Path, profile: tuple[int, int]) -> dict:

@@ -185,3 +185,17 @@ def write_json(path: str, payload: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
     os.replace(tmp, path)
+
+
+def steady_records(steps: list[dict], profile: tuple[int, int]) -> list[dict]:
+    """The step records whose tokens/s is steady: a record's rate covers the steps since the previous
+    record (one step at train.log_every=1, ten at the configs' 10), so it counts only where none of
+    those is a warm-up step (0, 1) or in the profiled window or the step after it."""
+    first, last = profile
+    steady, previous = [], -1
+    for record in steps:
+        covered = range(previous + 1, record["step"] + 1)
+        previous = record["step"]
+        if covered.start >= 2 and not any(first <= s <= last + 1 for s in covered):
+            steady.append(record)
+    return steady

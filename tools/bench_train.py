@@ -14,8 +14,9 @@ when fla-core is not importable. Out-of-memory is reported as such.
 
 --trainer N: first, per config, the trainer as users run it (`python -m gdn_parallel.train --config
 C`, its own batch, micro-batches, data, clipping and logging, N steps, checkpoints off), steps N-4 and
-N-3 under train.profile_steps: its steady tokens/s (median of the later steps' lines, profiled steps
-left out), MFU, peak memory, and the profile's GPU-idle share and time buckets, beside the bare steps;
+N-3 under train.profile_steps, logging at the config's train.log_every (N >= 2 x log_every + 5): its
+steady tokens/s (median of the logged lines none of whose steps warms up, is profiled or follows
+them), MFU, peak memory, and the profile's GPU-idle share and time buckets, beside the bare steps;
 also the idle share of the steady steps (the profile's busy time against their wall time: the
 profiler's own work slows the host, so on a slow host the profiled steps idle more than the others).
 
@@ -46,7 +47,7 @@ from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing  
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402
 from gdn_parallel.train.profiling import steady_idle_share  # noqa: E402
 from gdn_parallel.train.progress import peak_flops_per_s  # noqa: E402
-from tools.bench_common import free_memory, is_oom, timed_ms  # noqa: E402
+from tools.bench_common import free_memory, is_oom, steady_records, timed_ms  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -63,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--peer-micro", type=int, default=0,
                    help="fla-core's sequences per forward/backward where --micro does not fit (0: --micro)")
     p.add_argument("--trainer", type=int, default=0, metavar="STEPS",
-                   help="also time the real trainer over STEPS steps per config (>= 8; 0: not)")
+                   help="also time the real trainer over STEPS steps per config (>= 2 x its "
+                        "train.log_every + 5; 0: not)")
     p.add_argument("--trainer-set", action="append", default=[], metavar="KEY=V[;KEY=V...]",
                    help="a variant of the trainer rows: these --set overrides (repeatable: one variant each)")
     p.add_argument("--account", action="store_true", help="per-component account of saved activations")
@@ -84,13 +86,16 @@ def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()
     its own (module docstring)."""
     import statistics
     import subprocess
-    if steps < 8:
-        raise SystemExit(f"--trainer {steps}: give at least 8 steps (warm-up, profiled, steady)")
+    train = Config.from_yaml(path, list(overrides)).train
+    if steps < 2 * train.log_every + 5:  # a logged interval after the warm-up, before the profiled steps
+        raise SystemExit(f"--trainer {steps}: {Path(path).name} logs every {train.log_every} steps, so "
+                         f"give at least {2 * train.log_every + 5} (a logged interval of steady steps "
+                         f"after steps 0-1, before the profiled steps {steps - 4}-{steps - 3})")
     variant = "-".join(o.replace("=", "_").replace(".", "_") for o in overrides)
     run_dir = Path(out).parent / "bench_trainer" / (Path(path).stem + (f"-{variant}" if variant else ""))
     window = f"{steps - 4},{steps - 3}"
     command = [sys.executable, "-m", "gdn_parallel.train", "--config", path, "--set", f"train.steps={steps}",
-               "--set", "train.warmup_steps=2", "--set", "train.log_every=1", "--set", "train.eval_every=0",
+               "--set", "train.warmup_steps=2", "--set", "train.eval_every=0",
                "--set", "checkpoint.enabled=false", "--set", f"train.out_dir={run_dir}",
                "--set", f"train.profile_steps={window}", *[x for o in overrides for x in ("--set", o)]]
     try:
@@ -99,15 +104,19 @@ def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()
     except subprocess.TimeoutExpired as err:
         return {"model": "trainer", "batch": 0, "micro": 0, "command": " ".join(command[1:]),
                 "error": f"no result within {TRAINER_TIMEOUT_S} s: {str(err.stdout or '')[-300:]}"}
-    train = Config.from_yaml(path, list(overrides)).train
     row = {"model": "trainer" + (f" {' '.join(overrides)}" if overrides else ""), "batch": train.batch_size,
            "micro": train.microbatch_rows, "command": " ".join(command[1:])}
     if done.returncode != 0:
         return {**row, "error": (done.stdout + done.stderr)[-600:]}
     records = read_metrics(run_dir / "metrics.jsonl")
     lines = [r for r in records if "tokens_per_s" in r and isinstance(r.get("step"), int)]
-    # the profiled steps and the one before them (the profiler starts there) left out
-    steady = [r for r in lines if r["step"] >= 3 and not steps - 5 <= r["step"] <= steps - 3]
+    # The config's own train.log_every (a line reads the device: logging every step would hide host
+    # waits); a line counts where none of the steps it covers warms up, is profiled or follows them.
+    # (The profiler starts a step early, in a step recorded nowhere: steps - 5 is timed without it.)
+    steady = steady_records(lines, (steps - 5, steps - 3))
+    if not steady:
+        return {**row, "error": f"no steady logged interval in {steps} steps (lines at "
+                                f"{[r['step'] for r in lines]})"}
     profile = json.loads((run_dir / "profile" / "buckets_rank0.json").read_text())
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     step_ms = statistics.median(1e3 * r["interval_s"] / r["interval_steps"] for r in steady)

@@ -65,12 +65,12 @@ if [[ " $parts " == *" fp32_256 "* ]]; then
     tail -3 "$out/fp32_256.log"
 fi
 if [[ " $parts " == *" bench "* ]]; then  # the 1.3b pair: ~7 minutes (fla-core's autotune cache carried)
-    step bench_train 560 python3 tools/bench_train.py --trainer 20 --batches 8 --micro 4 --peer-micro 2 \
+    step bench_train 560 python3 tools/bench_train.py --trainer 40 --batches 8 --micro 4 --peer-micro 2 \
         --warmup 1 --iters 3 --configs configs/gdn-1.3b.yaml,configs/h1-1.3b.yaml --out "$out/bench_train.json"
     grep -v '^{' "$out/bench_train.log" | tail -40
 fi
 if [[ " $parts " == *" bench04 "* ]]; then  # the 0.4b pair, and their micro-batches of 4 beside the whole batch
-    step bench_train_04b 560 python3 tools/bench_train.py --trainer 20 --trainer-set train.microbatch_size=4 \
+    step bench_train_04b 560 python3 tools/bench_train.py --trainer 40 --trainer-set train.microbatch_size=4 \
         --batches 8 --micro 4 --warmup 1 --iters 3 --configs configs/gdn-0.4b.yaml,configs/h1-0.4b.yaml \
         --out "$out/bench_train_04b.json"
     grep -v '^{' "$out/bench_train_04b.log" | tail -40

@@ -6,6 +6,7 @@ import pytest
 
 from gdn_parallel.config import Config, ConfigError, parse_profile_steps
 from gdn_parallel.train import run_training
+from gdn_parallel.train.metrics_sinks import read_metrics
 from gdn_parallel.train.profiling import BUCKETS, _union_ms, bucket_of, steady_idle_share
 
 SMALL = ["model.n_layers=2", "train.seq_len=64", "train.batch_size=2", "train.eval_every=0",
@@ -70,12 +71,20 @@ def test_the_steady_idle_share_is_busy_time_against_the_unprofiled_step():
 def test_bench_train_times_the_trainer_as_users_run_it(tmp_path):
     """tools/bench_train.py --trainer: the trainer's own process and steps, its profile beside them."""
     from tools.bench_train import trainer_row
-    row = trainer_row("configs/tiny-cpu.yaml", 8, str(tmp_path / "bench.json"))
+    # Lines at 0, 2, 4, 6, 8, 9 (every 2 steps), the profiler from step 5: only the lines at 4 (steps 3-4)
+    # and 9 are steady.
+    row = trainer_row("configs/tiny-cpu.yaml", 10, str(tmp_path / "bench.json"), ("train.log_every=2",))
     assert "error" not in row, row.get("error")
-    assert row["model"] == "trainer" and row["batch"] == 4 and row["tokens_per_s"] > 0
+    assert row["model"] == "trainer train.log_every=2" and row["batch"] == 4 and row["tokens_per_s"] > 0
     assert row["peak_gib"] > 0 and set(row["buckets_ms"]) == set(BUCKETS)
     assert row["step_ms"] > 0 and row["idle_share_steady"] is None  # the CPU has no kernel time
-    assert "train.profile_steps=4,5" in row["command"]
+    assert "train.profile_steps=6,7" in row["command"] and "train.log_every=2" in row["command"]
+    run_dir = tmp_path / "bench_trainer" / "tiny-cpu-train_log_every_2"
+    lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r]
+    steady = [r["tokens_per_s"] for r in lines if r["step"] in (4, 9)]
+    assert row["tokens_per_s"] == pytest.approx(sum(steady) / 2)  # the median of two
+    with pytest.raises(SystemExit, match="logs every 10 steps, so give at least 25"):
+        trainer_row("configs/tiny-cpu.yaml", 24, str(tmp_path / "bench.json"))
 
 
 def test_a_run_stopped_inside_the_window_writes_the_steps_it_profiled(tmp_path):
