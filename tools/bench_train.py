@@ -112,7 +112,7 @@ def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()
     lines = [r for r in records if "tokens_per_s" in r and isinstance(r.get("step"), int)]
     # The config's own train.log_every (a line reads the device: logging every step would hide host
     # waits); a line counts where none of the steps it covers warms up, is profiled or follows them.
-    # (The profiler starts a step early, in a step recorded nowhere: steps - 5 is timed without it.)
+    # (The profiler starts one step early, at steps - 5, whose time its start-up inflates.)
     steady = steady_records(lines, (steps - 5, steps - 3))
     if not steady:
         return {**row, "error": f"no steady logged interval in {steps} steps (lines at "
