@@ -209,9 +209,8 @@ class _ResidualRMSNorm(torch.autograd.Function):
         m, n = h.shape
         with_branch = ctx.branch_dtype is not None
         if dy is None:  # the norm's output went unused: h's gradient passes through
-            dx = None if dh is None else dh
             db = None if dh is None or not with_branch else dh.to(ctx.branch_dtype)
-            return dx, db, None, None, None
+            return dh, db, None, None, None
         dy2 = dy.reshape(-1, n).contiguous()
         dh2 = None if dh is None else dh.reshape(-1, n).contiguous()
         dx = torch.empty_like(h)

@@ -77,4 +77,3 @@ def applied_outcome(step: int, loss: torch.Tensor, lr: float, grad_norm: torch.T
 def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Fused implementations (torch's `_step_supports_amp_scaling`) apply found_inf in their kernel."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
