@@ -3,6 +3,12 @@
 Each document is padded at its end to a multiple of the chunk size with tokens that leave the state
 unchanged (k = v = q = 0, g = 0, beta = 0): S_t = 1 * (I - 0) S_{t-1} + 0. Padding is internal and
 removed from the outputs; nothing reaches the caller.
+
+The PyTorch ops copy their inputs into the padded layout (`pad`, `unpad`). The Triton kernels read
+and write the caller's unpadded rows in place through `chunk_rows`: chunk c holds the tokens
+chunk_rows[c, 0] .. + chunk_rows[c, 1] - 1 of the caller's tensor, its other rows are padding (read
+as zeros, never written). Copying into a padded layout cost a gdn-0.4b step 18 ms on an H100
+(index_copy and gather of q, k, v and their gradients in every layer).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ class ChunkLayout:
     num_docs: int
     padded_len: int
     token_dest: torch.Tensor      # [total] index of each real token in the padded row
+    chunk_rows: torch.Tensor      # [num_chunks, 2] int64: first source row of each chunk, its real tokens
     doc_first_chunk: list         # first chunk index of each document
     doc_num_chunks: list          # number of chunks of each document
     doc_lengths: list
@@ -26,6 +33,10 @@ class ChunkLayout:
     @property
     def num_chunks(self) -> int:
         return self.padded_len // self.chunk_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_dest.numel()
 
     @property
     def max_chunks(self) -> int:
@@ -65,14 +76,19 @@ class _TakeRows(torch.autograd.Function):
 
 
 def build_layout(doc_lengths: list, chunk_size: int, device) -> ChunkLayout:
-    first, counts, dest = [], [], []
-    chunk_cursor = 0
+    first, counts, dest, rows = [], [], [], []
+    chunk_cursor = source_row = 0
     for length in doc_lengths:
         n = -(-length // chunk_size)
         first.append(chunk_cursor)
         counts.append(n)
         dest.append(torch.arange(length) + chunk_cursor * chunk_size)
+        rows += [(source_row + i * chunk_size, min(chunk_size, length - i * chunk_size)) for i in range(n)]
         chunk_cursor += n
+        source_row += length
     token_dest = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.long)
-    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size,
-                       copy_to_device(token_dest, device), first, counts, list(doc_lengths))
+    # one host-to-device copy for both tables: each copy from pageable memory waits for the GPU
+    both = copy_to_device(torch.cat([token_dest, torch.tensor(rows, dtype=torch.long).reshape(-1)]), device)
+    total = token_dest.numel()
+    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size, both[:total],
+                       both[total:].view(chunk_cursor, 2), first, counts, list(doc_lengths))

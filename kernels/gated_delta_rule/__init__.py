@@ -1,15 +1,16 @@
 """Triton chunked gated delta rule: the GPU path of gdn_parallel.ops.gated_delta_rule (impl="triton").
 
 Documents are laid out chunk-aligned (padded at their ends with state-preserving tokens) so that no
-kernel ever sees a chunk that straddles two documents; only the sequential kernels need to know
-where documents start. Between forward and backward the UT inverse T ([Tp, HV, 64], input dtype) is
-kept, and by default W, the chunk states and Delta too (TUNING["save_chunk_states"]; without it the
-backward recomputes them, one more forward walk).
+kernel ever sees a chunk that straddles two documents; only the sequential kernels need to know where
+documents start. The padding exists only in the kernels' own buffers: the first launch (gates.py)
+reads the caller's q, k, g and beta through the layout's chunk table and writes them padded, and the
+kernels read v and dO and write O and dv in the caller's unpadded rows. Between forward and backward
+the UT inverse T ([Tp, HV, 64], input dtype) is kept, and by default W, the chunk states and Delta too
+(TUNING["save_chunk_states"]; without it the backward recomputes them, one more forward walk).
 """
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -56,18 +57,17 @@ def triton_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state: to
         bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
     layout, plan = _layout_and_plan(lengths, v.device, TUNING["span_chunks"])
-    # Padding tokens must keep the state: decay 0 and beta 0, i.e. logits -inf when activated here.
-    fills = (0.0, 0.0, 0.0, 0.0 if decay_params is None else -math.inf,
-             0.0 if beta_activation is None else -math.inf)
-    flat = [layout.pad(x.reshape(B * T, *x.shape[2:]), fill).flatten(0, 1).contiguous()
-            for x, fill in zip((q, k, v, g, beta), fills)]
+    flat_q, flat_k, flat_v, flat_g, flat_beta = (x.reshape(B * T, *x.shape[2:]).contiguous()
+                                                 for x in (q, k, v, g, beta))
+    if not use_qk_l2norm:  # the gate launch pads q and k only as it normalises them
+        flat_q, flat_k = (layout.pad(x).flatten(0, 1).contiguous() for x in (flat_q, flat_k))
     A_log, dt_bias = (None, None) if decay_params is None else decay_params
     if relay is not None and relay.receives and initial_state is None and plan.num_docs > 1:
         initial_state = torch.zeros(plan.num_docs - 1, HV, K, V, device=v.device)
-    o, final = _ChunkGatedDeltaRule.apply(*flat, initial_state, A_log, dt_bias, scale, plan,
-                                          output_final_state, beta_activation, use_qk_l2norm, relay)
-    o = layout.unpad(o.view(layout.num_chunks, CHUNK, HV, V)).view(B, T, HV, V)
-    return o, (final if output_final_state else None)
+    o, final = _ChunkGatedDeltaRule.apply(flat_q, flat_k, flat_v, flat_g, flat_beta, initial_state, A_log,
+                                          dt_bias, scale, plan, layout, output_final_state, beta_activation,
+                                          use_qk_l2norm, relay)
+    return o.view(B, T, HV, V), (final if output_final_state else None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -138,15 +138,15 @@ def _shape_key(keys, values):
     return (keys.shape[-1], values.shape[-1], keys.dtype, values.device)
 
 
-def _chunk_factors(k, v, beta, gamma, t_inv, compute_t):
+def _chunk_factors(k, v, beta, gamma, t_inv, chunk_rows, compute_t):
     """W and U of every chunk: all the work that does not need the incoming state. With compute_t the
-    UT inverse is computed into t_inv, otherwise read from it."""
+    UT inverse is computed into t_inv, otherwise read from it. v is the caller's, unpadded."""
     Tp, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     w = _buffer((Tp, HV, K), k.dtype, k.device)
-    u = _buffer(v.shape, v.dtype, v.device)
+    u = _buffer((Tp, HV, V), v.dtype, v.device)
     launch_fitting(fwd.ut_forward, lambda s: (Tp // CHUNK, HV),
-                   (k, v, beta, gamma, t_inv, w, u, Tp, H, HV, K, V, CHUNK, _key_block(K)),
+                   (k, v, beta, gamma, t_inv, w, u, chunk_rows, Tp, H, HV, K, V, CHUNK, _key_block(K)),
                    _parallel_settings(V, TUNING["ut_forward_warps"]), _shape_key(k, v),
                    PREC=_precision(v), COMPUTE_T=compute_t)
     return w, u
@@ -192,27 +192,29 @@ def _as_be(setting: dict) -> dict:
     return setting
 
 
-def _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan: ScanPlan, scale, want_dh0):
-    """dS' at every chunk's end (dh), the full dDelta (dd) and the initial-state gradients."""
-    Tp, H, K, HV, V, n, BK = _walk_shape(q, do)
+def _state_backward(q, k, w, gamma, do, dd_local, chunk_rows, dfinal, plan: ScanPlan, scale, want_dh0):
+    """dS' at every chunk's end (dh), the full dDelta (dd) and the initial-state gradients. do is the
+    caller's, unpadded."""
+    Tp, H, K, HV, V, n, BK = _walk_shape(q, dd_local)
     dh = _buffer((n, HV, K, V), do.dtype, do.device)
-    dd = _buffer(do.shape, do.dtype, do.device)
+    dd = _buffer(dd_local.shape, do.dtype, do.device)
     settings, key = _sequential_settings(V), _shape_key(q, do)
     if plan.spans:
         summary = _buffer((plan.num_spans, HV, K, K + V), torch.float32, do.device)
         launch_fitting(bwd.span_summary_backward,
                        lambda s: (triton.cdiv(K + V, s["BE"]), HV, plan.num_spans),
-                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, summary, scale,
-                        Tp, H, HV, K, V, CHUNK, BK), [_as_be(s) for s in settings], key, INTERPRET=_INTERPRET)
+                       (q, k, w, gamma, do, dd_local, chunk_rows, plan.span_first, plan.span_count, summary,
+                        scale, Tp, H, HV, K, V, CHUNK, BK), [_as_be(s) for s in settings], key,
+                       INTERPRET=_INTERPRET)
         ends, dh0 = fold(summary, plan, dfinal, V, True, _precision(do), _INTERPRET)
         launch_fitting(bwd.state_backward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_spans),
-                       (q, k, w, gamma, do, dd_local, plan.span_first, plan.span_count, ends, dh, dd,
-                        ends, scale, Tp, H, HV, K, V, CHUNK, BK), settings, key,
+                       (q, k, w, gamma, do, dd_local, chunk_rows, plan.span_first, plan.span_count, ends, dh,
+                        dd, ends, scale, Tp, H, HV, K, V, CHUNK, BK), settings, key,
                        HAS_DFINAL=True, HAS_DH0=False, INTERPRET=_INTERPRET)
         return dh, dd, (dh0 if want_dh0 else None)
     dh0 = _buffer((plan.num_docs, HV, K, V), torch.float32, do.device) if want_dh0 else None
     launch_fitting(bwd.state_backward, lambda s: (triton.cdiv(V, s["BV"]), HV, plan.num_docs),
-                   (q, k, w, gamma, do, dd_local, plan.doc_first, plan.doc_count,
+                   (q, k, w, gamma, do, dd_local, chunk_rows, plan.doc_first, plan.doc_count,
                     dfinal if dfinal is not None else dd, dh, dd, dh0 if dh0 is not None else dd, scale,
                     Tp, H, HV, K, V, CHUNK, BK), settings, key,
                    HAS_DFINAL=dfinal is not None, HAS_DH0=want_dh0, INTERPRET=_INTERPRET)
@@ -220,29 +222,31 @@ def _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan: ScanPlan, scale,
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
-    """Flat chunk-aligned inputs [Tp, heads, D]; q/k may have fewer heads than v (grouped).
+    """Flat inputs [tokens, heads, D], unpadded (q and k padded to the layout's [Tp, heads, D] when not
+    normalised here); q/k may have fewer heads than v (grouped).
 
     With a `relay` (see StateRelay) the first document's initial state arrives from, and its
     gradient is sent back to, another process, and the last document's final state is sent on and
     its gradient received: each at the earliest moment the kernels allow."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, A_log, dt_bias, scale, plan, output_final_state, beta_activation,
-                use_qk_l2norm, relay):
-        Tp, H, K = q.shape
+    def forward(ctx, q, k, v, g, beta, h0, A_log, dt_bias, scale, plan, layout, output_final_state,
+                beta_activation, use_qk_l2norm, relay):
+        Tp, H, K = layout.padded_len, q.shape[1], q.shape[2]
         HV, V = v.shape[1], v.shape[2]
-        n = Tp // CHUNK
+        n, rows = Tp // CHUNK, layout.chunk_rows
         # Cumulative log decay inside each chunk (head-major), and beta, activated here if asked.
         decay_params = None if A_log is None else (A_log, dt_bias)
         g_in, beta_in = g, beta
         # One launch for the activations (and the q/k L2 norm): nothing else to launch before the kernels.
-        prepared = gate_forward(g, beta, decay_params, beta_activation, (q, k) if use_qk_l2norm else None)
+        prepared = gate_forward(g, beta, decay_params, beta_activation, (q, k) if use_qk_l2norm else None,
+                                layout=layout)
         gamma, beta = prepared[:2]
         rstd = None
         if use_qk_l2norm:
             q, k, rstd = prepared[2:]
         t_inv = _buffer((Tp, HV, CHUNK), k.dtype, k.device)
-        w, u = _chunk_factors(k, v, beta, gamma, t_inv, True)
+        w, u = _chunk_factors(k, v, beta, gamma, t_inv, rows, True)
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = _with_received_state(h0, relay)
         sends = relay is not None and relay.sends
@@ -252,36 +256,38 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         del u
         o = _buffer(v.shape, v.dtype, v.device)
         launch_fitting(fwd.output_forward, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
-                       (q, k, h, delta, gamma, o, scale, Tp, H, HV, K, V, CHUNK, _key_block(K)),
+                       (q, k, h, delta, gamma, o, rows, scale, Tp, H, HV, K, V, CHUNK, _key_block(K)),
                        _parallel_settings(V, 4), _shape_key(q, v))
         kept = (w, h, delta) if TUNING["save_chunk_states"] else ()
         ctx.save_for_backward(q, k, v, beta, gamma, t_inv, h0, g_in, beta_in, A_log, dt_bias, rstd, *kept)
         ctx.plan, ctx.relay, ctx.scale, ctx.beta_activation = plan, relay, scale, beta_activation
+        ctx.layout, ctx.qk_normalised = layout, use_qk_l2norm
         return o, (final if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, beta, gamma, t_inv, h0, g_in, beta_in, A_log, dt_bias, rstd, *kept = ctx.saved_tensors
-        Tp, H, K = q.shape
+        Tp, H, K = q.shape   # q and k as the kernels read them: padded
         HV, V = v.shape[1], v.shape[2]
         n, G = Tp // CHUNK, HV // H
         BK, key = _key_block(K), _shape_key(q, v)
-        scale, relay, plan = ctx.scale, ctx.relay, ctx.plan
+        scale, relay, plan, layout = ctx.scale, ctx.relay, ctx.plan, ctx.layout
+        rows = layout.chunk_rows
         do = do.contiguous()
         if kept:
             w, h, delta = kept
         else:  # recompute W, U, the chunk states and Delta: the same bits the forward had
-            w, u = _chunk_factors(k, v, beta, gamma, t_inv, False)
+            w, u = _chunk_factors(k, v, beta, gamma, t_inv, rows, False)
             h, delta, _ = _walk(k, w, u, gamma, h0, plan, False)
             del u
-        dd_local = _buffer(v.shape, v.dtype, v.device)
+        dd_local = _buffer((Tp, HV, V), v.dtype, v.device)
         launch_fitting(bwd.delta_grad_local, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
-                       (q, k, gamma, do, dd_local, scale, Tp, H, HV, K, V, CHUNK, BK),
+                       (q, k, gamma, do, dd_local, rows, scale, Tp, H, HV, K, V, CHUNK, BK),
                        _parallel_settings(V, 4), key)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         if relay is not None and relay.sends:  # everything before this ran while the gradient travelled
             dfinal = _with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
-        dh, dd, dh0 = _state_backward(q, k, w, gamma, do, dd_local, dfinal, plan, scale, h0 is not None)
+        dh, dd, dh0 = _state_backward(q, k, w, gamma, do, dd_local, rows, dfinal, plan, scale, h0 is not None)
         if relay is not None and relay.receives:  # before the per-chunk gradients: rank r - 1 waits on it
             relay.send_state_grad(dh0[:1])
             dh0 = dh0[1:] if dh0.shape[0] > 1 else None
@@ -293,7 +299,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dw = _buffer((Tp, HV, K), k.dtype, v.device)
         dgamma = _buffer((HV, Tp), torch.float32, v.device)
         launch_fitting(bwd.qkw_backward, lambda s: (n, HV),
-                       (q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H, HV, K, V,
+                       (q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, rows, scale, Tp, H, HV, K, V,
                         CHUNK, BK),
                        _key_split_settings(K, V, TUNING["parallel_warps"]), key)
         del h, dh, delta
@@ -301,8 +307,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dv = _buffer(v.shape, v.dtype, v.device)
         dbeta = _buffer((Tp, HV), torch.float32, v.device)
         launch_fitting(bwd.ut_backward, lambda s: (n, HV),
-                       (k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H, HV, K, V,
-                        CHUNK, BK),
+                       (k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, rows, Tp, H, HV, K,
+                        V, CHUNK, BK),
                        _key_split_settings(K, V, TUNING["parallel_warps"]), key)
         dk = dk_out
         if G > 1:  # value heads sharing a q/k head add their gradients
@@ -310,13 +316,14 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         decay_params = None if A_log is None else (A_log, dt_bias)
         qk_norm = None if rstd is None else (q, k, rstd, dq, dk)
         dg, dbeta, dA_log, ddt_bias, *dqk = gate_backward(dgamma, dbeta, g_in, beta_in, decay_params,
-                                                          ctx.beta_activation, qk_norm)
+                                                          ctx.beta_activation, qk_norm, layout=layout)
         if dqk:  # through the L2 norm, to the raw q and k
             dq, dk = dqk
         dh0_in = None if dh0 is None or ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g_in.dtype), dbeta.to(beta_in.dtype), dh0_in,
                 None if A_log is None else dA_log.to(A_log.dtype),
-                None if dt_bias is None else ddt_bias.to(dt_bias.dtype), None, None, None, None, None, None)
+                None if dt_bias is None else ddt_bias.to(dt_bias.dtype), None, None, None, None, None, None,
+                None)
 
 
 def _with_received_state(h0, relay):

@@ -21,36 +21,41 @@ import triton
 import triton.language as tl
 
 from .common import (
+    chunk_tokens,
     decay_matrix,
     identity_columns,
     load_gamma,
     load_rows,
     load_state,
+    load_token_rows,
     load_value_columns,
     store_rows,
     store_state,
     store_summary,
+    store_token_rows,
 )
 
 
 @triton.jit
-def delta_grad_local(q, k, gamma, do, dd_local, scale, Tp, H: tl.constexpr, HV: tl.constexpr,
+def delta_grad_local(q, k, gamma, do, dd_local, chunk_rows, scale, Tp, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     chunk, hv, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0, col0 = chunk * C, col_block * BV
+    src0, real = chunk_tokens(chunk_rows, chunk)
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
     gam, _ = load_gamma(gamma, row0, hv, Tp, C)
     qk = tl.dot(qq, tl.trans(kk)) * decay_matrix(gam, C, False) * scale
-    dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+    dout = load_token_rows(do, src0, real, hv, HV, V, C, BV, col0)
     store_rows(dd_local, tl.dot(tl.trans(qk).to(dout.dtype), dout), row0, hv, HV, V, C, BV, col0)
 
 
 @triton.jit
-def _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, chunk, hv, col0, scale, Tp, H: tl.constexpr,
-                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr):
+def _dstate_step(q, k, w, gamma, do, dd_local, chunk_rows, dh, dd, dstate, chunk, hv, col0, scale, Tp,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
     row0 = chunk * C
+    src0, real = chunk_tokens(chunk_rows, chunk)
     store_state(dh, dstate, chunk * HV + hv, K, V, BK, BV, col0)
     gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
@@ -60,14 +65,14 @@ def _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, chunk, hv, col0, 
     store_rows(dd, d, row0, hv, HV, V, C, BV, col0)
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
     q_decayed = (qq * (tl.exp(gam) * scale)[:, None]).to(qq.dtype)
-    dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+    dout = load_token_rows(do, src0, real, hv, HV, V, C, BV, col0)
     ww = load_rows(w, row0, hv, HV, K, C, BK)
     return dstate * tl.exp(g_last) + tl.dot(tl.trans(q_decayed), dout) - tl.dot(tl.trans(ww), d.to(ww.dtype))
 
 
 @triton.jit
-def state_backward(q, k, w, gamma, do, dd_local, doc_first_chunk, doc_num_chunks, dfinal, dh, dd, dh0,
-                   scale, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def state_backward(q, k, w, gamma, do, dd_local, chunk_rows, doc_first_chunk, doc_num_chunks, dfinal, dh, dd,
+                   dh0, scale, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DFINAL: tl.constexpr,
                    HAS_DH0: tl.constexpr, INTERPRET: tl.constexpr):
     col_block, hv, doc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -81,26 +86,27 @@ def state_backward(q, k, w, gamma, do, dd_local, doc_first_chunk, doc_num_chunks
     if INTERPRET:  # Triton's interpreter cannot take a loaded bound in range()
         chunk = first + count - 1
         while chunk >= first:
-            dstate = _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, chunk, hv, col0, scale, Tp,
-                                  H, HV, K, V, C, BK, BV)
+            dstate = _dstate_step(q, k, w, gamma, do, dd_local, chunk_rows, dh, dd, dstate, chunk, hv, col0,
+                                  scale, Tp, H, HV, K, V, C, BK, BV)
             chunk -= 1
     else:
         for step in range(count):
-            dstate = _dstate_step(q, k, w, gamma, do, dd_local, dh, dd, dstate, first + count - 1 - step,
-                                  hv, col0, scale, Tp, H, HV, K, V, C, BK, BV)
+            dstate = _dstate_step(q, k, w, gamma, do, dd_local, chunk_rows, dh, dd, dstate,
+                                  first + count - 1 - step, hv, col0, scale, Tp, H, HV, K, V, C, BK, BV)
     if HAS_DH0:
         store_state(dh0, dstate, doc * HV + hv, K, V, BK, BV, col0)
 
 
 @triton.jit
-def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, Tp, H: tl.constexpr,
-                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, KB: tl.constexpr):
+def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, chunk_rows, scale, Tp,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr):
     """Key columns in NUM_KB = BK // KB tiles of KB: one tile where the device holds all of K (the
     fast path), two where it cannot (fp32 inputs at K = 256); the C x C products sum over every tile."""
     NUM_KB: tl.constexpr = BK // KB
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
+    src0, real = chunk_tokens(chunk_rows, chunk)
     qh = hv // (HV // H)
     gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
     do_delta = tl.zeros([C, C], dtype=tl.float32)       # dO Delta^T
@@ -116,7 +122,7 @@ def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, T
             dstate = load_state(dh, chunk * HV + hv, K, V, KB, BV, col0, key0)
             dl = load_rows(delta, row0, hv, HV, V, C, BV, col0)
             ddl = load_rows(dd, row0, hv, HV, V, C, BV, col0)
-            dout = load_rows(do, row0, hv, HV, V, C, BV, col0)
+            dout = load_token_rows(do, src0, real, hv, HV, V, C, BV, col0)
             do_state += tl.dot(dout, tl.trans(state))
             if kb == 0:
                 do_delta += tl.dot(dout, tl.trans(dl))
@@ -154,9 +160,9 @@ def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, scale, T
 
 
 @triton.jit
-def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, Tp, H: tl.constexpr,
-                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, KB: tl.constexpr):
+def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma, chunk_rows, Tp,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr):
     """Adds the gradients through W = T diag(beta e^gamma) K and U = T diag(beta) V into dgamma, and
     to dk (fp32, from qkw_backward), writing the sum to dk_out (dk itself, or the input dtype at once).
     Key columns in BK // KB tiles of KB, as in qkw_backward: the Gram matrix and dT sum over all of
@@ -164,6 +170,7 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma,
     NUM_KB: tl.constexpr = BK // KB
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
+    src0, real = chunk_tokens(chunk_rows, chunk)  # v and dv are the caller's, unpadded
     kh = hv // (HV // H)
     b = tl.load(beta + (row0 + tl.arange(0, C)) * HV + hv).to(tl.float32)
     gam, _ = load_gamma(gamma, row0, hv, Tp, C)
@@ -180,9 +187,9 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma,
     db = tl.zeros([C], dtype=tl.float32)
     for col0 in tl.static_range(0, V, BV):
         du = load_rows(dd, row0, hv, HV, V, C, BV, col0).to(t_in.dtype)
-        vv = load_rows(v, row0, hv, HV, V, C, BV, col0)
+        vv = load_token_rows(v, src0, real, hv, HV, V, C, BV, col0)
         d_v_scaled = tl.dot(tl.trans(t_in), du)
-        store_rows(dv, d_v_scaled * b[:, None], row0, hv, HV, V, C, BV, col0)
+        store_token_rows(dv, d_v_scaled * b[:, None], src0, real, hv, HV, V, C, BV, col0)
         db += tl.sum(vv.to(tl.float32) * d_v_scaled, axis=1)
         d_t += tl.dot(du, tl.trans((vv * b[:, None]).to(vv.dtype)))
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept on A's strictly lower support.
@@ -213,23 +220,26 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma,
 
 
 @triton.jit
-def _summary_step(q, k, w, gamma, do, dd_local, dstate, chunk, hv, cols, scale, Tp, H: tl.constexpr,
-                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+def _summary_step(q, k, w, gamma, do, dd_local, chunk_rows, dstate, chunk, hv, cols, scale, Tp,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                  BK: tl.constexpr):
     row0 = chunk * C
+    src0, real = chunk_tokens(chunk_rows, chunk)
     gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
     k_to_end = (kk * tl.exp(g_last - gam)[:, None]).to(kk.dtype)
-    d = load_value_columns(dd_local, row0, hv, HV, V, K, C, cols).to(tl.float32) \
+    d = load_value_columns(dd_local, row0, C, hv, HV, V, K, C, cols).to(tl.float32) \
         + tl.dot(k_to_end, dstate.to(kk.dtype))
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
     q_decayed = (qq * (tl.exp(gam) * scale)[:, None]).to(qq.dtype)
-    dout = load_value_columns(do, row0, hv, HV, V, K, C, cols)
+    dout = load_value_columns(do, src0, real, hv, HV, V, K, C, cols)
     ww = load_rows(w, row0, hv, HV, K, C, BK)
     return dstate * tl.exp(g_last) + tl.dot(tl.trans(q_decayed), dout) - tl.dot(tl.trans(ww), d.to(ww.dtype))
 
 
 @triton.jit
-def span_summary_backward(q, k, w, gamma, do, dd_local, span_first, span_num_chunks, summary, scale, Tp,
+def span_summary_backward(q, k, w, gamma, do, dd_local, chunk_rows, span_first, span_num_chunks, summary,
+                          scale, Tp,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           C: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, INTERPRET: tl.constexpr):
     col_block, hv, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -240,11 +250,11 @@ def span_summary_backward(q, k, w, gamma, do, dd_local, span_first, span_num_chu
     if INTERPRET:  # Triton's interpreter cannot take a loaded bound in range()
         chunk = first + count - 1
         while chunk >= first:
-            dstate = _summary_step(q, k, w, gamma, do, dd_local, dstate, chunk, hv, cols, scale, Tp,
-                                   H, HV, K, V, C, BK)
+            dstate = _summary_step(q, k, w, gamma, do, dd_local, chunk_rows, dstate, chunk, hv, cols, scale,
+                                   Tp, H, HV, K, V, C, BK)
             chunk -= 1
     else:
         for step in range(count):
-            dstate = _summary_step(q, k, w, gamma, do, dd_local, dstate, first + count - 1 - step, hv, cols,
-                                   scale, Tp, H, HV, K, V, C, BK)
+            dstate = _summary_step(q, k, w, gamma, do, dd_local, chunk_rows, dstate, first + count - 1 - step,
+                                   hv, cols, scale, Tp, H, HV, K, V, C, BK)
     store_summary(summary, dstate, span, hv, HV, K, V, BK, cols)

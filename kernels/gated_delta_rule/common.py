@@ -1,9 +1,11 @@
 """Pieces shared by the forward and backward kernels of the chunked gated delta rule.
 
 Tensors are token-major and chunk-aligned: [Tp, heads, D] with Tp a multiple of the chunk size C and
-every chunk inside one document (the wrapper pads documents). `gamma` is the fp32 cumulative log
-decay inside each chunk, stored head-major [HV, Tp] so that a chunk's 64 values are one contiguous
-load. Value head `hv` reads query/key head `hv // (HV // H)`.
+every chunk inside one document (documents padded at their ends). The caller's own tensors (v, the
+output, its gradient and dv) stay unpadded: kernels reach their rows through the chunk table
+(`chunk_tokens`, `load_token_rows`, `store_token_rows`; kernels/chunk_layout.py). `gamma` is the fp32
+cumulative log decay inside each chunk, stored head-major [HV, Tp] so that a chunk's 64 values are one
+contiguous load. Value head `hv` reads query/key head `hv // (HV // H)`.
 """
 import triton
 import triton.language as tl
@@ -26,6 +28,36 @@ def store_rows(ptr, value, row0, head, num_heads: tl.constexpr, width: tl.conste
     cols = col0 + tl.arange(0, BD)
     mask = (cols < width)[None, :]
     tl.store(ptr + (rows[:, None] * num_heads + head) * width + cols[None, :],
+             value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def chunk_tokens(chunk_rows, chunk):
+    """(the caller's row of the chunk's first token, int64; the chunk's number of real tokens) from the
+    [chunks, 2] table: the chunk's rows past its real tokens are document padding."""
+    entry = chunk_rows + 2 * chunk.to(tl.int64)
+    return tl.load(entry), tl.load(entry + 1)
+
+
+@triton.jit
+def load_token_rows(ptr, src0, real, head, num_heads: tl.constexpr, width: tl.constexpr,
+                    C: tl.constexpr, BD: tl.constexpr, col0=0):
+    """load_rows of a chunk from the caller's unpadded tensor: rows src0.. of it, zeros past `real`."""
+    i = tl.arange(0, C)
+    cols = col0 + tl.arange(0, BD)
+    mask = (i < real)[:, None] & (cols < width)[None, :]
+    return tl.load(ptr + ((src0 + i)[:, None] * num_heads + head) * width + cols[None, :], mask=mask,
+                   other=0.)
+
+
+@triton.jit
+def store_token_rows(ptr, value, src0, real, head, num_heads: tl.constexpr, width: tl.constexpr,
+                     C: tl.constexpr, BD: tl.constexpr, col0=0):
+    """store_rows of a chunk's real tokens into the caller's unpadded tensor; padding rows are dropped."""
+    i = tl.arange(0, C)
+    cols = col0 + tl.arange(0, BD)
+    mask = (i < real)[:, None] & (cols < width)[None, :]
+    tl.store(ptr + ((src0 + i)[:, None] * num_heads + head) * width + cols[None, :],
              value.to(ptr.dtype.element_ty), mask=mask)
 
 
@@ -145,12 +177,14 @@ def _store_block_row(t_inv, b0, b1, b2, b3, row0, hv, HV: tl.constexpr, C: tl.co
 
 
 @triton.jit
-def load_value_columns(ptr, row0, head, num_heads: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+def load_value_columns(ptr, row0, real, head, num_heads: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                        C: tl.constexpr, cols):
-    """Rows of a [rows, heads, V] tensor seen through an extended width K + V: columns < K read 0
-    (the part of a span summary that carries the identity), column c >= K reads value column c - K."""
-    rows = row0.to(tl.int64) + tl.arange(0, C)
-    mask = ((cols >= K) & (cols < K + V))[None, :]
+    """Rows row0.. of a [rows, heads, V] tensor (zeros past `real`) seen through an extended width
+    K + V: columns < K read 0 (the part of a span summary that carries the identity), column c >= K
+    reads value column c - K."""
+    i = tl.arange(0, C)
+    rows = row0.to(tl.int64) + i
+    mask = (i < real)[:, None] & ((cols >= K) & (cols < K + V))[None, :]
     return tl.load(ptr + (rows[:, None] * num_heads + head) * V + (cols - K)[None, :], mask=mask, other=0.)
 
 

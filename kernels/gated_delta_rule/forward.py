@@ -16,26 +16,31 @@ import triton
 import triton.language as tl
 
 from .common import (
+    chunk_tokens,
     decay_matrix,
     identity_columns,
     load_gamma,
     load_rows,
     load_state,
+    load_token_rows,
     load_value_columns,
     store_rows,
     store_state,
     store_summary,
+    store_token_rows,
     unit_lower_inverse,
 )
 
 
 @triton.jit
-def ut_forward(k, v, beta, gamma, t_inv, w, u, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               COMPUTE_T: tl.constexpr):
-    """With COMPUTE_T the inverse is computed and stored in `t_inv` [Tp, HV, C], else read from it."""
+def ut_forward(k, v, beta, gamma, t_inv, w, u, chunk_rows, Tp, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               PREC: tl.constexpr, COMPUTE_T: tl.constexpr):
+    """With COMPUTE_T the inverse is computed and stored in `t_inv` [Tp, HV, C], else read from it.
+    v is the caller's, unpadded (chunk_rows)."""
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
+    src0, real = chunk_tokens(chunk_rows, chunk)
     if COMPUTE_T:
         unit_lower_inverse(k, beta, gamma, t_inv, row0, hv, Tp, H, HV, K, C, BK, PREC)
         tl.debug_barrier()  # T is read back below as one tile, by other threads than wrote each block
@@ -46,7 +51,7 @@ def ut_forward(k, v, beta, gamma, t_inv, w, u, Tp, H: tl.constexpr, HV: tl.const
     key_scaled = (kk * (b * tl.exp(gam))[:, None]).to(kk.dtype)
     store_rows(w, tl.dot(t_in, key_scaled), row0, hv, HV, K, C, BK)
     for col0 in tl.static_range(0, V, BV):
-        vv = load_rows(v, row0, hv, HV, V, C, BV, col0)
+        vv = load_token_rows(v, src0, real, hv, HV, V, C, BV, col0)
         store_rows(u, tl.dot(t_in, (vv * b[:, None]).to(vv.dtype)), row0, hv, HV, V, C, BV, col0)
 
 
@@ -94,7 +99,7 @@ def _summary_step(k, w, u, gamma, state, chunk, hv, cols, Tp, H: tl.constexpr, H
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     row0 = chunk * C
     ww = load_rows(w, row0, hv, HV, K, C, BK)
-    d = load_value_columns(u, row0, hv, HV, V, K, C, cols).to(tl.float32) - tl.dot(ww, state.to(ww.dtype))
+    d = load_value_columns(u, row0, C, hv, HV, V, K, C, cols).to(tl.float32) - tl.dot(ww, state.to(ww.dtype))
     gam, g_last = load_gamma(gamma, row0, hv, Tp, C)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
     k_to_end = (kk * tl.exp(g_last - gam)[:, None]).to(kk.dtype)
@@ -122,8 +127,9 @@ def span_summary_forward(k, w, u, gamma, span_first, span_num_chunks, summary, T
 
 
 @triton.jit
-def output_forward(q, k, h, delta, gamma, o, scale, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def output_forward(q, k, h, delta, gamma, o, chunk_rows, scale, Tp, H: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """o is the caller's, unpadded (chunk_rows): padding rows are not written."""
     chunk, hv, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0, col0 = chunk * C, col_block * BV
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
@@ -134,4 +140,5 @@ def output_forward(q, k, h, delta, gamma, o, scale, Tp, H: tl.constexpr, HV: tl.
     state = load_state(h, chunk * HV + hv, K, V, BK, BV, col0)
     d = load_rows(delta, row0, hv, HV, V, C, BV, col0)
     out = tl.dot(q_decayed, state.to(qq.dtype)) + tl.dot(qk.to(d.dtype), d)
-    store_rows(o, out, row0, hv, HV, V, C, BV, col0)
+    src0, real = chunk_tokens(chunk_rows, chunk)
+    store_token_rows(o, out, src0, real, hv, HV, V, C, BV, col0)

@@ -17,6 +17,7 @@ from tests.seeds import generator
 from .helpers import device, rel_err  # skips the module without triton
 
 gates = importlib.import_module("gdn_kernels.gated_delta_rule.gates")  # after helpers: imports triton
+build_layout = importlib.import_module("gdn_kernels.chunk_layout").build_layout
 C = 64
 HV = 3
 
@@ -186,3 +187,49 @@ def test_bad_arguments():
         gates.gate_backward(dgamma.t(), dbeta, g, g)
     with pytest.raises(ValueError, match="dbeta"):
         gates.gate_backward(dgamma, dbeta[:64], g, g)
+
+
+@pytest.mark.parametrize("act,with_params,norm_qk", [("sigmoid", True, True), (None, False, False),
+                                                      ("2sigmoid", True, False)])
+def test_layout_reads_the_callers_rows_and_writes_them_padded(poisoned, act, with_params, norm_qk):
+    """With a chunk layout the launch reads unpadded documents (ends mid-chunk, a 1-token document)
+    and writes them padded: the same values as the launch over rows the caller padded itself (logits
+    -inf, zero q and k), and gradients that are those rows' gradients, back in the caller's rows."""
+    layout = build_layout([37, 64, 1, 90], C, device)
+    tokens, Tp = layout.num_tokens, layout.padded_len
+    g, beta, params, dgamma, dbeta = _inputs(Tp, torch.float32, with_params, seed=5)
+    g, beta = g[:tokens], beta[:tokens]
+    gen = generator(6)
+    qk = tuple(torch.randn(tokens, 1, 24, generator=gen).to(device) * 3 for _ in range(2)) if norm_qk \
+        else None
+    d_qk = tuple(torch.randn(Tp, 1, 24, generator=gen).to(device) for _ in range(2))
+    g_fill = -math.inf if with_params else 0.0
+    b_fill = 0.0 if act is None else -math.inf
+    padded = (layout.pad(g, g_fill).flatten(0, 1), layout.pad(beta, b_fill).flatten(0, 1))
+    qk_padded = None if qk is None else tuple(layout.pad(x).flatten(0, 1) for x in qk)
+
+    ours = gates.gate_forward(g, beta, params, act, qk, layout=layout)
+    theirs = gates.gate_forward(*padded, params, act, qk_padded)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+    norm = None if qk is None else (*ours[2:], *d_qk)
+    norm_padded = None if qk is None else (*theirs[2:], *d_qk)
+    ours = gates.gate_backward(dgamma, dbeta, g, beta, params, act, norm, layout=layout)
+    theirs = gates.gate_backward(dgamma, dbeta, *padded, params, act, norm_padded)
+    real = layout.token_dest
+    for name, a, b in zip(["dg", "dbeta", "dA_log", "ddt_bias", "dq", "dk"], ours, theirs):
+        if a is None:
+            assert b is None, name
+            continue
+        expected = b if name in ("dA_log", "ddt_bias") else b[real]
+        assert a.shape == expected.shape, name
+        torch.testing.assert_close(a, expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_layout_must_match_the_rows():
+    layout = build_layout([37, 90], C, device)
+    g = torch.zeros(128, HV, device=device)
+    with pytest.raises(ValueError, match="layout lays out 127"):
+        gates.gate_forward(g, g, layout=layout)

@@ -92,7 +92,8 @@ def _allgather_incoming_state_fp32(factors, layout, cp: CPContext, starting):
     first_chunk, n_chunks = layout.doc_first_chunk[last], layout.doc_num_chunks[last]
     m, s = factors.transition(slice(first_chunk, first_chunk + n_chunks))
     piece_layout = type(layout)(layout.chunk_size, 1, n_chunks * layout.chunk_size, layout.token_dest,
-                                [0], [n_chunks], [layout.doc_lengths[last]])
+                                layout.chunk_rows[first_chunk:first_chunk + n_chunks], [0], [n_chunks],
+                                [layout.doc_lengths[last]])
     m_last, s_last = fold_chunk_transitions(m, s, piece_layout)
     if not (cp.continues_from_prev and cp.num_local_docs == 1):
         # The last piece starts on this rank: its outgoing state does not depend on earlier ranks.
