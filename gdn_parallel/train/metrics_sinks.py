@@ -48,7 +48,7 @@ GROUPED_TAGS = {
     "val_loss": "eval/loss", "val_bpb": "eval/bpb", "val_loss_by_position": "eval/loss_by_position",
     "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "mem_mib": "perf/mem_mib",
     "elapsed_s": "perf/elapsed_s", "eta_s": "perf/eta_s", "interval_s": "perf/interval_s",
-    "interval_steps": "perf/interval_steps",
+    "interval_steps": "perf/interval_steps", "startup": "perf/startup",
     "checkpoint": "run/checkpoint", "resumed": "run/resumed", "summary": "summary",
 }
 UNGROUPED = "other/"

@@ -93,7 +93,8 @@ def test_resume_appends_and_times_only_its_own_steps(tmp_path):
                              CPU, printed.append, sinks=[SlowSink()])
     run_steps(resumed, range(6, 12))
     resumed.close({"final_loss": 1.0})
-    assert [line.split()[1] for line in printed] == ["6/12", "10/12", "11/12"]  # the first step has a line
+    steps = [line.split()[1] for line in printed if not line.startswith("startup | ")]
+    assert steps == ["6/12", "10/12", "11/12"]  # the first step has a line
     first_after = resumed.records[0]
     assert first_after["interval_steps"] == 1 and first_after["interval_s"] < 0.3
     assert first_after["tokens"] == 7 * 64
@@ -118,9 +119,10 @@ def test_plain_lines_and_no_bar_on_a_pipe():
     logger.eval(10, 3.0, val_bpb=1.25)   # bits per byte: from the data's byte counts, not the loss
     logger.close()
     assert logger.bar is None and pipe.getvalue() == ""
-    assert len(printed) == 3 and all(LINE.match(line) for line in printed[:2]), printed
+    assert len(printed) == 4 and all(LINE.match(line) for line in printed[:2]), printed
     assert printed[1].startswith("step 10/200 | loss 4.4500 | lr 1.0e-03 | grad_norm 1.00")
-    assert printed[2] == "eval step 10/200 | val_loss 3.0000 | val_bits_per_token 4.328 | val_bpb 1.250"
+    assert printed[2].startswith("startup | ")
+    assert printed[3] == "eval step 10/200 | val_loss 3.0000 | val_bits_per_token 4.328 | val_bpb 1.250"
 
 
 def test_bar_on_a_terminal_redraws_in_place():
@@ -131,7 +133,7 @@ def test_bar_on_a_terminal_redraws_in_place():
     drawn = terminal.getvalue()
     assert "\n" not in drawn and drawn.count("\r[") >= 3           # one line, overwritten
     assert "20/20 100% | loss " in drawn and "step/s | eta 0s" in drawn
-    assert all(LINE.match(line) for line in printed)              # the lines are printed as before
+    assert all(LINE.match(line) for line in printed if not line.startswith("startup | "))  # as before
     logger.close()
     assert terminal.getvalue().endswith("\r") and terminal.getvalue()[-2] == " "  # the bar is wiped
 
@@ -214,3 +216,32 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     run_ids = [re.fullmatch(r"offline-run-\d{8}_\d{6}-(\w+?)(-\d+)?", run.name).group(1) for run in runs]
     assert run_ids == [run_id, run_id]                                          # the resume continues it
     assert all(list(run.glob("*.wandb")) for run in runs)
+
+
+@pytest.mark.parametrize("launched_s", [3.0, None])
+def test_startup_line_splits_set_up_first_step_and_compilation(monkeypatch, launched_s):
+    """With the second line, one start-up line: when the first step was done after launch, the set-up
+    before the loop, and the first step's excess over the later steps (compilation, autotuning). Where
+    the process's start cannot be read, the first step's own time."""
+    import gdn_parallel.train.progress as progress
+    clock = iter([100.0, 105.0, 106.0, 107.0])   # the loop starts; step 0 done; steps 1-2; step 3
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(progress, "process_age_s", lambda: launched_s)
+    printed = []
+    logger = ProgressLogger(ProgressSettings(4, 2, 64), CPU, printed.append)
+    run_steps(logger, range(4))
+    startup = [line for line in printed if line.startswith("startup | ")]
+    assert printed.index(startup[0]) == 2 and len(startup) == 1, printed   # after the second line only
+    head = ("first step done 8.0 s after launch | set-up 3.0 s" if launched_s else "first step 5.0 s")
+    assert startup[0] == f"startup | {head} | compile + autotune ~4.5 s | a step 0.50 s"
+    assert logger.startup["warmup_s"] == pytest.approx(4.5) and logger.startup["later_step_s"] == 0.5
+    assert logger.records[1]["startup"] is logger.startup and "startup" not in logger.records[0]
+
+
+def test_process_age_is_read_on_linux():
+    import sys
+
+    from gdn_parallel.train.progress import process_age_s
+    age = process_age_s()
+    if sys.platform.startswith("linux"):
+        assert age is not None and age > 0   # this process has run for a while (pytest, torch)

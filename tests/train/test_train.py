@@ -88,7 +88,8 @@ def test_progress_line_format():
     for step in range(11):
         logger.step(step, torch.tensor(4.0 - step * 0.1), 3e-3, torch.tensor(1.234))
     # the printed loss is the mean over the steps since the previous line (steps 1..10 here)
-    assert len(printed) == 2 and all(LINE.match(l) for l in printed), printed
+    assert len(printed) == 3 and all(LINE.match(l) for l in printed[:2]), printed
+    assert printed[2].startswith("startup | ")    # with the second line (tests/train/test_progress.py)
     assert printed[1].startswith("step 10/200 | loss 3.4500 | lr 3.0e-03 | grad_norm 1.23")
     assert re.search(r"mfu \d+\.\d+%", printed[1])
     assert format_duration(62) == "1m02s" and format_duration(3725) == "1h02m05s"
