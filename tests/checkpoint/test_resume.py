@@ -1,6 +1,7 @@
 """Checkpoints and resume (CPU, fp32): a resumed run is the uninterrupted run, bit for bit under the same
-layout and to 1e-6 under another (DCP reshards on load); an interrupted save is never picked; SIGTERM
-saves and ends the run cleanly."""
+layout; an interrupted save is never picked; SIGTERM saves and ends the run cleanly. Resuming under
+another layout (DCP reshards on load): tests/checkpoint/test_layout_matrix.py (every layout's checkpoints
+on one process) and test_journeys.py (a one-process checkpoint under dp2, tp2 and cp2)."""
 import json
 import os
 import shutil
@@ -46,15 +47,6 @@ def train(out_dir: Path, steps: int, *extra: str, resume: str = None) -> dict:
     return run(argv + (["--resume", resume] if resume else []))
 
 
-def torchrun(nproc: int, out_dir: Path, steps: int, *extra: str, resume: str = None) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    argv = ["--steps", str(steps), *BASE, "--set", f"train.out_dir={out_dir}", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "-m", "gdn_parallel.train", *argv, *(["--resume", resume] if resume else [])]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-
-
 def test_resume_is_bit_exact_under_the_same_layout(tmp_path):
     """6 steps straight, against 3 steps + resume from the step-3 checkpoint + 3 more: the same losses
     and the same final parameters and optimizer state, bit for bit."""
@@ -75,41 +67,6 @@ def test_resume_is_bit_exact_under_the_same_layout(tmp_path):
     assert final_straight.keys() == final_resumed.keys()
     for name, value in final_straight.items():
         assert torch.equal(value, final_resumed[name]), name
-
-
-@pytest.mark.parametrize("save_layout, resume_layout", [
-    (["parallel.cp=2"], []),                              # context parallel -> one process
-    ([], ["parallel.tp=2"]),                              # one process -> tensor parallel
-    (["parallel.pp=2", "train.microbatch_size=1"], []),   # pipeline -> one process
-    # data parallel -> one process: the same global batch (train.batch_size is per replica), and the
-    # data stream continues at the first token no replica has seen
-    (["parallel.dp=2", "train.batch_size=1"], []),
-], ids=["cp2-to-cp1", "tp1-to-tp2", "pp2-to-pp1", "dp2-to-dp1"])
-def test_resume_under_another_layout_continues_the_run(tmp_path, save_layout, resume_layout):
-    """Saved after 2 of 4 steps under one layout, resumed under another: the losses of steps 2 and 3
-    are those of the uninterrupted single-process run to 1e-6 (the losses of the saved run's own steps
-    are logged by its layout and left as they are)."""
-    reference = tmp_path / "reference"
-    train(reference, 4)
-    run_dir = tmp_path / "run"
-    for layout, steps_run, resume in ((save_layout, 2, None), (resume_layout, 4, "auto")):  # 4 steps each
-        overrides = [x for o in [*layout, "checkpoint.interval=2"] for x in ("--set", o)]
-        nproc = 2 if layout else 1
-        if nproc > 1:
-            torchrun(nproc, run_dir, 4, *overrides, resume=resume)
-        else:
-            train(run_dir, 4, *overrides, resume=resume)
-        # as if interrupted after the step-2 checkpoint: keep it and what was logged before
-        if steps_run == 2:
-            shutil.rmtree(run_dir / "checkpoints" / "step_4")
-            records = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                       if json.loads(line).get("step", 99) < 2 and "summary" not in json.loads(line)]
-            (run_dir / "metrics.jsonl").write_text("".join(r + "\n" for r in records))
-    expected, got = losses_by_step(reference), losses_by_step(run_dir)
-    assert sorted(got) == [0, 1, 2, 3]
-    for step in (2, 3):
-        assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), \
-            (step, got[step], expected[step])
 
 
 def test_an_interrupted_save_is_never_picked(tmp_path, monkeypatch):

@@ -126,10 +126,11 @@ def check_gate_activation_case(rank, world, cu, algorithm):
     assert_close_set(dict(zip(names, actual[1:])), dict(zip(names, shard_expected)), 2e-5, tag)
 
 
-@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("algorithm", ["relay", "allgather"])
-def test_cp_triton_matches_single_process(world, algorithm):
-    assert all(run_workers(triton_cases, world, algorithm))
+def test_cp_triton_matches_single_process(algorithm):
+    """Four ranks: the first only sends, the last only receives, the middle ones both (two ranks add
+    nothing the kernels' path could get wrong; the PyTorch path runs both worlds above)."""
+    assert all(run_workers(triton_cases, 4, algorithm))
 
 
 def autocast_allgather_case(rank, world):
