@@ -21,11 +21,11 @@ Backward, with xhat = x * rstd, dy0 = dy * silu(gate) and dxhat = dy0 * weight:
     dweight = sum over rows of dy0 * xhat
     dgate  = dy * xhat * weight * silu'(gate),   silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g)
 rstd is recomputed from x rather than saved: the row is loaded anyway and the sum is cheap.
-dweight is reduced deterministically: each backward program covers a fixed run of rows
-(BWD_ROWS_PER_PROGRAM), keeps its partial sum in fp32 registers and writes it to its own row of a
-buffer, and torch sums the buffer. Short runs pay on an H100: 4 rows ran the backward 1.17x faster
-than 64 for hidden 2048 (more programs in flight; tools/bench_block_kernels.py). No atomics, and
-the split depends on the shape only, so the same inputs give the same bits.
+dweight is reduced deterministically: each backward program covers a fixed run of rows (4 or 16,
+by the rows' width: the settings below), keeps its partial sum in fp32 registers and writes it to its
+own row of a buffer, and torch sums the buffer. Short runs pay on an H100 (16 rows ran the residual
+norm's backward at hidden 2048 1.55x faster than 4, and 64 slower again; tools/bench_block_kernels.py).
+No atomics, and the split depends on the shape only, so the same inputs give the same bits.
 """
 from __future__ import annotations
 
@@ -34,10 +34,21 @@ import triton
 import triton.language as tl
 
 MAX_HIDDEN = 8192  # whole rows live in registers (see above)
-# backward: rows per program (the fp32 dw partials then take 1/BWD_ROWS_PER_PROGRAM of an fp32 copy
-# of x) and elements per row block (tools/bench_block_kernels.py sweeps both)
+# backward (tools/bench_block_kernels.py sweeps them all): rows per program (the fp32 dw partials then
+# take 1/rows of an fp32 copy of x), elements per row block, warps, and the software-pipelining depth of
+# a program's loop over its row blocks (1: none). Rows of BWD_ELEMENTS or more (one row a block: the
+# blocks' residual norms at hidden 1024-2048) take BWD_ROWS_PER_PROGRAM_WIDE rows per program and
+# _blocks' warps; narrower rows (several a block: the gated output norm over 256-wide heads) take
+# BWD_ROWS_PER_PROGRAM and BWD_NARROW_WARPS. Chosen from a sweep on an H100 at gdn-1.3b's shapes (the
+# residual norm's backward 0.314 -> 0.203 ms, the gated norm's 0.466 -> 0.339 ms, against 4 rows and 8
+# warps for both; a second sweep on that machine varied up to 2x per setting) and kept for the trainer's
+# A/B: gdn-0.4b and h1-0.4b 3.0% more tokens/s (docs/benchmarks.md).
 BWD_ROWS_PER_PROGRAM = 4
+BWD_ROWS_PER_PROGRAM_WIDE = 16
 BWD_ELEMENTS = 2048
+BWD_NARROW_WARPS = 4
+BWD_WARPS = 0    # > 0: this many warps for every shape (a sweep's override)
+BWD_STAGES = 1
 
 
 @triton.jit
@@ -67,14 +78,14 @@ def _norm_fwd(X, R, H, W, G, Y, M, N, scale, eps, HAS_WEIGHT: tl.constexpr, HAS_
 @triton.jit
 def _norm_bwd(X, W, G, DY, DH, DX, DB, DW, DG, M, N, scale, eps, HAS_WEIGHT: tl.constexpr,
               HAS_GATE: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_BRANCH: tl.constexpr,
-              BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     # this program's BLOCKS consecutive row blocks; past M they are fully masked
-    for i in range(BLOCKS):
+    for i in tl.range(BLOCKS, num_stages=STAGES):
         rows = (pid * BLOCKS + i).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None] * N + cols[None, :]
@@ -111,6 +122,18 @@ def _blocks(n: int, elements: int):
     return block_rows, block_n, min(16, max(4, block_rows * block_n // 256))
 
 
+def _backward_launch(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(programs, row blocks per program, BLOCK_ROWS, BLOCK_N, num_warps) of a backward over m rows of n
+    (the settings above)."""
+    block_rows, block_n, warps = _blocks(n, BWD_ELEMENTS)
+    if block_rows == 1:
+        rows_per_program = BWD_ROWS_PER_PROGRAM_WIDE
+    else:
+        rows_per_program, warps = BWD_ROWS_PER_PROGRAM, BWD_NARROW_WARPS
+    blocks = max(1, rows_per_program // block_rows)
+    return triton.cdiv(m, blocks * block_rows), blocks, block_rows, block_n, BWD_WARPS or warps
+
+
 class _RowNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps: float, mean: bool, out_dtype: torch.dtype | None = None):
@@ -143,9 +166,7 @@ class _RowNorm(torch.autograd.Function):
         dy2 = dy.reshape(-1, n).contiguous()
         dx = torch.empty_like(x2)
         dg = None if g2 is None else torch.empty_like(g2)
-        block_rows, block_n, warps = _blocks(n, BWD_ELEMENTS)
-        blocks = max(1, BWD_ROWS_PER_PROGRAM // block_rows)
-        programs = triton.cdiv(m, blocks * block_rows)
+        programs, blocks, block_rows, block_n, warps = _backward_launch(m, n)
         dw_partial = None if w is None else torch.empty(programs, n, dtype=torch.float32, device=x2.device)
         if m > 0:
             _norm_bwd[(programs,)](
@@ -153,7 +174,7 @@ class _RowNorm(torch.autograd.Function):
                 x2 if dw_partial is None else dw_partial, x2 if dg is None else dg, m, n,
                 ctx.scale, ctx.eps, HAS_WEIGHT=w is not None, HAS_GATE=g2 is not None,
                 HAS_STREAM_GRAD=False, HAS_BRANCH=False,
-                BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)
+                BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n, STAGES=BWD_STAGES, num_warps=warps)
         dw = None if w is None else dw_partial.sum(0).to(w.dtype)
         return (dx.view(ctx.shape), dw, None if dg is None else dg.view(ctx.shape), None, None, None)
 
@@ -215,16 +236,14 @@ class _ResidualRMSNorm(torch.autograd.Function):
         dh2 = None if dh is None else dh.reshape(-1, n).contiguous()
         dx = torch.empty_like(h)
         db = torch.empty(h.shape, dtype=ctx.branch_dtype, device=h.device) if with_branch else None
-        block_rows, block_n, warps = _blocks(n, BWD_ELEMENTS)
-        blocks = max(1, BWD_ROWS_PER_PROGRAM // block_rows)
-        programs = triton.cdiv(m, blocks * block_rows)
+        programs, blocks, block_rows, block_n, warps = _backward_launch(m, n)
         dw_partial = torch.empty(programs, n, dtype=torch.float32, device=h.device)
         if m > 0:
             _norm_bwd[(programs,)](
                 h, w, h, dy2, h if dh2 is None else dh2, dx, h if db is None else db, dw_partial, h, m, n,
                 1.0 / n, ctx.eps, HAS_WEIGHT=True, HAS_GATE=False, HAS_STREAM_GRAD=dh2 is not None,
                 HAS_BRANCH=with_branch, BLOCKS=blocks, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
-                num_warps=warps)
+                STAGES=BWD_STAGES, num_warps=warps)
         dw = dw_partial.sum(0).to(w.dtype)
         return (dx.view(ctx.shape), None if db is None else db.view(ctx.shape), dw, None, None)
 

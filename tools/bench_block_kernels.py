@@ -38,10 +38,11 @@ from tools.bench_common import timed_ms  # noqa: E402
 CONV_SETTINGS = [  # DZ_BLOCK_T, DZ_WARPS, CHUNK_T, BLOCK_T (the forward's and dx pass's tile)
     {}, {"DZ_BLOCK_T": 32}, {"DZ_BLOCK_T": 32, "DZ_WARPS": 8}, {"CHUNK_T": 128}, {"CHUNK_T": 512},
     {"BLOCK_T": 64}, {"BLOCK_T": 16}]
-NORM_SETTINGS = [  # BWD_ROWS_PER_PROGRAM, BWD_ELEMENTS
-    {}, {"BWD_ROWS_PER_PROGRAM": 16}, {"BWD_ROWS_PER_PROGRAM": 8},
-    {"BWD_ROWS_PER_PROGRAM": 16, "BWD_ELEMENTS": 4096}, {"BWD_ROWS_PER_PROGRAM": 4, "BWD_ELEMENTS": 4096},
-    {"BWD_ROWS_PER_PROGRAM": 32, "BWD_ELEMENTS": 4096}, {"BWD_ROWS_PER_PROGRAM": 4}]
+NORM_SETTINGS = [  # kernels/norms.py's BWD_* constants; {} is the module's own choice
+    {}, {"BWD_ROWS_PER_PROGRAM_WIDE": 4, "BWD_NARROW_WARPS": 8},   # the settings before 2026-11-26
+    {"BWD_STAGES": 2}, {"BWD_STAGES": 3}, {"BWD_ROWS_PER_PROGRAM_WIDE": 8},
+    {"BWD_ROWS_PER_PROGRAM_WIDE": 32}, {"BWD_ROWS_PER_PROGRAM": 8}, {"BWD_ROWS_PER_PROGRAM": 16},
+    {"BWD_NARROW_WARPS": 2}, {"BWD_WARPS": 16}, {"BWD_ELEMENTS": 1024}, {"BWD_ELEMENTS": 4096}]
 
 
 def parse_args(argv=None):
@@ -132,6 +133,18 @@ def norm_cases(args, device):
     yield "gated norm 256 (bf16)", (xo, wo, 1e-6, go), dyo, rows * heads * 256 * 12
 
 
+def residual_norm_case(args, device):
+    """The blocks' pre-norm: h = x + branch (the fp32 stream and a bf16 branch), then normalised. Bytes:
+    x, branch read and h, y written; h, dy read and dx, dbranch written."""
+    rows = args.batch * args.tokens
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(rows, 2048, device=device, generator=gen).requires_grad_()
+    branch = torch.randn(rows, 2048, device=device, generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(2048, device=device, generator=gen)).requires_grad_()
+    dy = torch.randn(rows, 2048, device=device, generator=gen).bfloat16()
+    return "residual norm 2048 (fp32 + bf16)", (x, w, 1e-6, branch), dy, rows * 2048 * 22
+
+
 def conv_fn(module):
     def fn(x, w, b, activation, cu):
         return module.triton_causal_conv1d(x, w, b, activation, cu)
@@ -144,6 +157,16 @@ def conv_reference(x, w, b, activation, cu):
 
 def norm_fn(x, w, eps, gate=None, out_dtype=None):
     return rms_norm(x, w, eps, gate, out_dtype)
+
+
+def residual_norm_fn(module):
+    def fn(x, w, eps, branch):
+        return module.triton_residual_rms_norm(x, branch, w, eps, torch.bfloat16)[1]
+    return fn
+
+
+def residual_norm_reference(x, w, eps, branch):
+    return norm_reference(x + branch, w, eps)
 
 
 def norm_reference(x, w, eps, gate=None, out_dtype=None):
@@ -182,6 +205,9 @@ def main(argv=None) -> int:
         sweep(name, conv, CONV_SETTINGS, conv_fn(conv), conv_reference, inputs, dy, nbytes, args, rows)
     for name, inputs, dy, nbytes in norm_cases(args, device):
         sweep(name, norms, NORM_SETTINGS, norm_fn, norm_reference, inputs, dy, nbytes, args, rows)
+    name, inputs, dy, nbytes = residual_norm_case(args, device)
+    sweep(name, norms, NORM_SETTINGS, residual_norm_fn(norms), residual_norm_reference, inputs, dy, nbytes,
+          args, rows)
     print()
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case and r["ok"]]
