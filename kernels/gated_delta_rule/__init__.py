@@ -261,7 +261,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         kept = (w, h, delta) if TUNING["save_chunk_states"] else ()
         ctx.save_for_backward(q, k, v, beta, gamma, t_inv, h0, g_in, beta_in, A_log, dt_bias, rstd, *kept)
         ctx.plan, ctx.relay, ctx.scale, ctx.beta_activation = plan, relay, scale, beta_activation
-        ctx.layout, ctx.qk_normalised = layout, use_qk_l2norm
+        ctx.layout = layout
         return o, (final if output_final_state else None)
 
     @staticmethod
