@@ -32,7 +32,7 @@ from gpu_smoke import REPO, run_config  # noqa: E402
 
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402  (gpu_smoke put the repo on the path)
 from gdn_parallel.train.profiling import steady_idle_share  # noqa: E402
-from tools.bench_common import steady_records  # noqa: E402
+from tools.bench_common import median_step_ms, steady_records  # noqa: E402
 
 
 def kernels_path(tree: Path, folder: Path) -> str:
@@ -55,8 +55,7 @@ def summarise(run_dir: Path, profile: tuple[int, int]) -> dict:
     steady = steady_records(steps, profile)
     table_file = run_dir / "profile" / "buckets_rank0.json"
     table = json.loads(table_file.read_text()) if table_file.exists() else None
-    step_ms = (statistics.median(1e3 * r["interval_s"] / r["interval_steps"] for r in steady)
-               if steady else None)
+    step_ms = median_step_ms(steady) if steady else None
     return {
         "steps": steps[-1]["step"] + 1 if steps else 0,  # a record covers train.log_every steps
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,

@@ -199,3 +199,8 @@ def steady_records(steps: list[dict], profile: tuple[int, int]) -> list[dict]:
         if covered.start >= 2 and not any(first <= s <= last + 1 for s in covered):
             steady.append(record)
     return steady
+
+
+def median_step_ms(records: list[dict]) -> float:
+    """The median wall time of one step over logged records (each covers interval_steps steps)."""
+    return statistics.median(1e3 * r["interval_s"] / r["interval_steps"] for r in records)

@@ -47,7 +47,7 @@ from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing  
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402
 from gdn_parallel.train.profiling import steady_idle_share  # noqa: E402
 from gdn_parallel.train.progress import peak_flops_per_s  # noqa: E402
-from tools.bench_common import free_memory, is_oom, steady_records, timed_ms  # noqa: E402
+from tools.bench_common import free_memory, is_oom, median_step_ms, steady_records, timed_ms  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -119,7 +119,7 @@ def trainer_row(path: str, steps: int, out: str, overrides: tuple[str, ...] = ()
                                 f"{[r['step'] for r in lines]})"}
     profile = json.loads((run_dir / "profile" / "buckets_rank0.json").read_text())
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
-    step_ms = statistics.median(1e3 * r["interval_s"] / r["interval_steps"] for r in steady)
+    step_ms = median_step_ms(steady)
     return {**row, "tokens_per_s": tokens_per_s, "step_ms": step_ms, "mfu": statistics.median(
                 r["mfu"] or 0.0 for r in steady) or None,
             "peak_gib": max(r["mem_mib"] for r in lines) / 1024, "idle_share": profile["idle_share"],

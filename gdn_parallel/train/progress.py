@@ -291,12 +291,13 @@ class ProgressLogger:
             "interval_steps": self._interval_steps,
         }
         self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
-        if len(self.records) == 1:   # this is the second line
+        second_line = len(self.records) == 1
+        if second_line:
             record["startup"] = self.startup = self._startup(self.records[0], record)
         self.records.append(record)
         self.say(self.format(record))
-        if self.startup is not None and record.get("startup") is self.startup:
-            self.say(self.format_startup(self.startup))
+        if second_line:
+            self.say(self.format_startup(record["startup"]))
         self._emit(record)
         self._update_bar(step, force=True)
         if not math.isfinite(record["loss"]):

@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .common import chunk_tokens
+
 CHUNK = 64
 _BETA_MODES = {None: 0, "sigmoid": 1, "2sigmoid": 2}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -129,9 +131,9 @@ def _gate_fwd(G, BETA, A_LOG, DT_BIAS, GAMMA, BETA_OUT, Q, K, Q_OUT, K_OUT, RSTD
 @triton.jit
 def _source_rows(CHUNK_ROWS, chunk, C: tl.constexpr):
     """(the caller's row of each of the chunk's C tokens, int64; which of them are real, not padding)."""
-    entry = CHUNK_ROWS + 2 * chunk.to(tl.int64)
+    src0, real = chunk_tokens(CHUNK_ROWS, chunk)
     i = tl.arange(0, C)
-    return tl.load(entry) + i, i < tl.load(entry + 1)
+    return src0 + i, i < real
 
 
 @triton.jit
