@@ -30,6 +30,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .wide_products import add_product_
+
 try:
     import triton
     import triton.language as tl
@@ -167,10 +169,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_hidden:
                 torch.mm(z, weight, out=dhidden[start:end])
             if grad_weight:
-                if dweight.dtype == z.dtype:
-                    dweight.addmm_(z.t(), h)
-                else:
-                    dweight += torch.mm(z.t(), h)
+                add_product_(dweight, z.t(), h)  # on CUDA into the fp32 accumulator by the product
 
         ctx.save_for_backward(dhidden, dweight)
         ctx.weight_dtype = weight.dtype

@@ -10,8 +10,12 @@ With s = sigmoid(g) and silu(g) = g s:
 The aten forms take a kernel per operation (silu, then the multiply; in the backward dp * up,
 silu_backward and dp * silu), each reading and writing a full [tokens, intermediate] tensor and
 rounding between them. Here the forward reads g, u and writes p; the backward reads dp, g, u and
-writes dgate, dup. Math is fp32 whatever the input dtype, rounded once into it, so the results are
-not bit-identical to the aten forms in bf16 (they round less).
+writes dgate, dup, and p again where asked (`with_product`: the down projection's weight gradient
+needs p, which is recomputed rather than kept from the forward; made here it costs one more write
+instead of another pass over g and u). dgate may be written over dp (`overwrite_dp`: each element is
+read before it is written), so the backward holds no more tensors than before. Math is fp32 whatever
+the input dtype, rounded once into it, so the results are not bit-identical to the aten forms in bf16
+(they round less).
 
 Layout: tensors are flat (any shape, contiguous); a program covers BLOCK consecutive elements, 8
 per thread at NUM_WARPS warps, i.e. one 16-byte load per bf16 tensor. Plain functions, no
@@ -44,7 +48,7 @@ def _silu_mul_fwd(G, U, P, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_bwd(DP, G, U, DG, DU, N, BLOCK: tl.constexpr):
+def _silu_mul_bwd(DP, G, U, DG, DU, P, N, BLOCK: tl.constexpr, WITH_PRODUCT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     dp = tl.load(DP + offs, mask=mask, other=0.0).to(tl.float32)
@@ -54,6 +58,8 @@ def _silu_mul_bwd(DP, G, U, DG, DU, N, BLOCK: tl.constexpr):
     dg = dp * u * s * (1.0 + g * (1.0 - s))
     tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + offs, (dp * g * s).to(DU.dtype.element_ty), mask=mask)
+    if WITH_PRODUCT:
+        tl.store(P + offs, (g * s * u).to(P.dtype.element_ty), mask=mask)
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -75,16 +81,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor,
-                      up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) of p = silu(gate) * up given dp, in one pass; fp32 math, in the inputs' dtype."""
+def silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, with_product: bool = False,
+                      overwrite_dp: bool = False) -> tuple[torch.Tensor, ...]:
+    """(dgate, dup) of p = silu(gate) * up given dp, in one pass; fp32 math, in the inputs' dtype.
+    with_product: (dgate, dup, p), p as silu_mul makes it. overwrite_dp: dgate is written into dp
+    (contiguous dp only; its values are gone after)."""
     _check(dp, gate, up)
+    if overwrite_dp and not dp.is_contiguous():
+        raise ValueError("silu_mul_backward(overwrite_dp=True) needs a contiguous dp")
     dp, gate, up = dp.contiguous(), gate.contiguous(), up.contiguous()
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dgate = dp if overwrite_dp else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    p = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if with_product else dup
     n = gate.numel()
     if n:
         with on_tensors_device(gate):
-            _silu_mul_bwd[(triton.cdiv(n, BLOCK),)](dp, gate, up, dgate, dup, n, BLOCK=BLOCK,
-                                                    num_warps=NUM_WARPS)
-    return dgate, dup
+            _silu_mul_bwd[(triton.cdiv(n, BLOCK),)](dp, gate, up, dgate, dup, p, n, BLOCK=BLOCK,
+                                                    WITH_PRODUCT=with_product, num_warps=NUM_WARPS)
+    return (dgate, dup, p) if with_product else (dgate, dup)

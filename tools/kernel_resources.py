@@ -126,6 +126,7 @@ def block_launches(dtype: torch.dtype, arch: int, limit: int) -> list:
         g, u, dp = leaf(3, 37), leaf(3, 37), leaf(3, 37)
         swiglu.silu_mul(g, u)
         swiglu.silu_mul_backward(dp, g, u)
+        swiglu.silu_mul_backward(dp.detach().clone(), g, u, with_product=True, overwrite_dp=True)
     return launches
 
 

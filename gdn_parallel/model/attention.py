@@ -6,7 +6,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.attention import attention
-from ..ops.projections import project
+from ..ops.projections import linear, project
 from ..ops.rope import apply_rotary
 from .sequence import SequenceInfo
 
@@ -41,4 +41,4 @@ class Attention(nn.Module):
                       impl=self.impl, cp=seq.cp, memo=seq.memo).reshape(B, T, -1)
         if g:
             o = o * g[0].sigmoid()
-        return self.o_proj(o)
+        return linear(o, self.o_proj)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.gated_delta_rule import gated_delta_rule
-from ..ops.projections import project
+from ..ops.projections import linear, project
 from ..ops.short_conv import causal_conv1d
 from .norm import GatedRMSNorm
 from .sequence import SequenceInfo
@@ -83,5 +83,5 @@ class GatedDeltaNet(nn.Module):
                                 decay_params=(self.A_log, self.dt_bias),
                                 beta_activation="2sigmoid" if self.allow_neg_eigval else "sigmoid")
         gate = g[0].view(B, T, self.num_v_heads, self.head_v_dim) if g else None
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        return linear(self.o_norm(o, gate).reshape(B, T, -1), self.o_proj)
 

@@ -10,8 +10,10 @@ the same products and no separate additions. The forward is unchanged, one produ
 since the consumers want their inputs as separate contiguous tensors.
 
 Under autocast each weight is cast to the autocast dtype once per call (as autocast would cast it) and
-that copy is saved for the backward. `project_reference` is the oracle: the projections called one by
-one through autograd.
+that copy is saved for the backward. The weights' gradients come back in their own dtype: on CUDA an
+fp32 master weight's gradient is written in fp32 by its product (gdn_kernels.wide_products), with no
+cast pass after it. A single projection takes the same path (`linear`), for that last reason.
+`project_reference` is the oracle: the projections called one by one through autograd.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+from gdn_kernels.wide_products import product_in
 from torch import nn
 
 
@@ -31,15 +34,20 @@ def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
 
     Plain bias-free nn.Linear modules take the fused backward; anything else (a bias, a module that
     computes only part of its weight, such as tensor parallelism's ReplicatedHeadLinear) is called as is."""
-    if len(linears) < 2 or not all(type(m) is nn.Linear and m.bias is None for m in linears):
+    if not linears or not all(type(m) is nn.Linear and m.bias is None for m in linears):
         return project_reference(x, *linears)
     masters = [cast(nn.Linear, m).weight for m in linears]
     dtype = _compute_dtype(x, masters)
     if dtype is None:
         return project_reference(x, *linears)
-    weights = [w.to(dtype) for w in masters]
     with torch.autocast(x.device.type, enabled=False):  # dtypes are settled here
-        return list(_SharedInputLinears.apply(x.to(dtype), *weights))
+        return list(_SharedInputLinears.apply(x.to(dtype), dtype, *masters))
+
+
+def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """module(x) for one projection, through `project` (its weight's gradient in the weight's dtype
+    straight from the product)."""
+    return project(x, module)[0]
 
 
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves fp64 alone
@@ -56,9 +64,11 @@ def _compute_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype 
 
 class _SharedInputLinears(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, *weights):
+    def forward(ctx, x, dtype, *masters):
         ctx.set_materialize_grads(False)  # an unused output sends no gradient: its products are skipped
+        weights = [w.to(dtype) for w in masters]  # the masters themselves where the dtypes match
         ctx.save_for_backward(x, *weights)
+        ctx.master_dtypes = [w.dtype for w in masters]
         return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
@@ -74,5 +84,6 @@ class _SharedInputLinears(torch.autograd.Function):
             grad_rows = grad.reshape(-1, grad.shape[-1])
             if ctx.needs_input_grad[0]:
                 dx = grad_rows @ weight if dx is None else dx.addmm_(grad_rows, weight)
-            dweights.append(grad_rows.t() @ x_rows if ctx.needs_input_grad[1 + i] else None)
-        return (None if dx is None else dx.view(x.shape)), *dweights
+            wanted = ctx.needs_input_grad[2 + i]
+            dweights.append(product_in(grad_rows.t(), x_rows, ctx.master_dtypes[i]) if wanted else None)
+        return (None if dx is None else dx.view(x.shape)), None, *dweights

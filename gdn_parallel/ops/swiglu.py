@@ -9,10 +9,11 @@ elementwise pass from gate and up, so the backward recomputes them:
     silu'(g) = s (1 + g (1 - s)),  s = sigmoid(g)
 
 On CUDA the elementwise parts run as fused Triton kernels (gdn_kernels.swiglu: p in one pass,
-dgate and dup together in another, fp32 math inside); elsewhere, as the aten kernels below.
+dgate, dup and the recomputed p together in another, fp32 math inside); elsewhere, as the aten kernels below.
 
 The weight is cast to the activations' dtype once per call, in the forward, and that copy is saved
-for the backward (as autograd through F.linear under autocast would save it).
+for the backward (as autograd through F.linear under autocast would save it). Its gradient is made in
+the weight's own dtype by the product itself where the device can (gdn_kernels.wide_products).
 
 `swiglu_down_reference` is the oracle: the same formula through plain autograd.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gdn_kernels.wide_products import product_in
 
 from .triton_dispatch import auto_uses_triton, imported_kernel
 
@@ -47,13 +49,16 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor,
-                       up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                       with_product: bool) -> tuple[torch.Tensor, ...]:
+    """(dgate, dup), and p = silu(gate) * up where asked; dp (a fresh product) may be overwritten."""
     if auto_uses_triton(gate, "swiglu"):
-        return imported_kernel("swiglu").silu_mul_backward(dp, gate, up)
+        return imported_kernel("swiglu").silu_mul_backward(dp, gate, up, with_product=with_product,
+                                                           overwrite_dp=dp.is_contiguous())
     # the kernels and dtypes of autograd through the plain formula (products in the activations'
     # dtype, silu's derivative in aten's fused kernel)
-    return torch.ops.aten.silu_backward(dp * up, gate), dp * F.silu(gate)
+    grads = (torch.ops.aten.silu_backward(dp * up, gate), dp * F.silu(gate))
+    return (*grads, F.silu(gate) * up) if with_product else grads
 
 
 class _SwiGLUDown(torch.autograd.Function):
@@ -68,11 +73,12 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, dout):
         gate, up, w16 = ctx.saved_tensors
         dout = dout.to(gate.dtype)
+        wants_dweight = ctx.needs_input_grad[2]
+        # p, recomputed rather than saved, comes out of the pass that makes dgate and dup
+        dgate, dup, *product = _silu_mul_backward(dout @ w16, gate, up, with_product=wants_dweight)
         dweight = None
-        if ctx.needs_input_grad[2]:
-            product = _silu_mul(gate, up)  # recomputed, not saved
-            dweight = dout.reshape(-1, dout.shape[-1]).t() @ product.reshape(-1, product.shape[-1])
-            dweight = dweight.to(ctx.weight_dtype)
-            del product
-        dgate, dup = _silu_mul_backward(dout @ w16, gate, up)
+        if wants_dweight:
+            p = product[0]
+            dweight = product_in(dout.reshape(-1, dout.shape[-1]).t(), p.reshape(-1, p.shape[-1]),
+                                 ctx.weight_dtype)
         return dgate, dup, dweight

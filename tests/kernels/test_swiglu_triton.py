@@ -25,7 +25,7 @@ def on_kernels(monkeypatch):
     calls = []
     for name in ("silu_mul", "silu_mul_backward"):
         fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     monkeypatch.setattr(ops_swiglu, "auto_uses_triton", lambda x, name: name == "swiglu")
     return calls
 
@@ -83,11 +83,28 @@ def test_kernels_match_formula(poisoned, shape, dtype, tol):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_with_the_product_over_dp(poisoned, shape, dtype):
+    """with_product writes p as silu_mul does (the same bits), and overwrite_dp puts dgate in dp's
+    memory with the values of a separate output."""
+    gate, up, _, _ = _inputs(shape, dtype)
+    dp = torch.randn(shape, generator=generator(2, device), device=device).to(dtype)
+    dgate, dup = kernels.silu_mul_backward(dp, gate, up)
+    scratch = dp.clone()
+    dgate2, dup2, p = kernels.silu_mul_backward(scratch, gate, up, with_product=True, overwrite_dp=True)
+    assert dgate2.data_ptr() == scratch.data_ptr()
+    assert torch.equal(dgate2, dgate) and torch.equal(dup2, dup)
+    assert torch.equal(p, kernels.silu_mul(gate, up))
+    with pytest.raises(ValueError, match="contiguous dp"):
+        kernels.silu_mul_backward(dp.mT, gate.mT, up.mT, overwrite_dp=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_swiglu_down_on_kernels_fp32(poisoned, on_kernels, shape):
     gate, up, weight, dout = _inputs(shape, torch.float32)
     got = _grads(swiglu_down, gate, up, weight, dout)
     want = _grads(swiglu_down_reference, gate, up, weight, dout)
-    assert on_kernels == ["silu_mul", "silu_mul", "silu_mul_backward"]  # forward, dweight, dgate/dup
+    assert on_kernels == ["silu_mul", "silu_mul_backward"]  # forward; dgate, dup and p for dweight
     _check(got, want, 1e-5, {k: torch.float32 for k in want})
 
 
@@ -142,7 +159,7 @@ def test_swiglu_down_bf16_large(monkeypatch):
     against the fp32 oracle on the same values, and the same bits twice."""
     calls = []
     kernel = kernels.silu_mul_backward
-    monkeypatch.setattr(kernels, "silu_mul_backward", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(kernels, "silu_mul_backward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     gate, up, weight, dout = _inputs(LARGE, torch.bfloat16, out_features=2048)
     got = _grads(swiglu_down, gate, up, weight, dout)
     assert calls

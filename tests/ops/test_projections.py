@@ -96,13 +96,27 @@ def test_the_input_gradient_is_summed_inside_the_products(monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("case", ["bias", "one", "mixed dtypes"])
+def test_one_projection_takes_the_same_path():
+    """`linear` (one projection: the mixers' output projections) against module(x): outputs and
+    gradients in fp64, and the fp32 weight's gradient in fp32 under autocast."""
+    linears = _linears((6,), 8, torch.float64)
+    x, douts = _inputs((2, 3, 8), (6,), torch.float64, 7)
+    got = _run(lambda x, m: [projections.linear(x, m)], x, linears, douts)
+    assert set(got) == {"out0", "dx", "dw0"}
+    assert_close_set(got, _run(project_reference, x, linears, douts), 1e-12, "one projection")
+    m = _linears((6,), 8, torch.float32)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = projections.linear(x.float(), m)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert m.weight.grad is not None and m.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["bias", "mixed dtypes"])
 def test_what_it_leaves_to_the_modules(case, monkeypatch):
     monkeypatch.setattr(projections._SharedInputLinears, "apply",
                         lambda *a: pytest.fail("the fused path must not serve this case"))
     linears = _linears((4, 6), 8, torch.float64, bias=case == "bias")
-    if case == "one":
-        linears = linears[:1]
     if case == "mixed dtypes":
         linears[1].to(torch.float32)
     x, _ = _inputs((3, 8), (4, 6), torch.float64, 6)
