@@ -117,7 +117,7 @@ def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, chunk_ro
         do_state = tl.zeros([C, KB], dtype=tl.float32)      # dO S^T
         delta_dh = tl.zeros([C, KB], dtype=tl.float32)      # Delta dS'^T
         dd_state = tl.zeros([C, KB], dtype=tl.float32)      # dDelta S^T
-        for col0 in tl.static_range(0, V, BV):
+        for col0 in tl.range(0, V, BV):
             state = load_state(h, chunk * HV + hv, K, V, KB, BV, col0, key0)
             dstate = load_state(dh, chunk * HV + hv, K, V, KB, BV, col0, key0)
             dl = load_rows(delta, row0, hv, HV, V, C, BV, col0)
@@ -185,7 +185,7 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma,
         d_t += tl.dot(dww, tl.trans((kk * (b * e_gam)[:, None]).to(kk.dtype)))
     a = gram * decay_matrix(gam, C, True) * b[:, None]
     db = tl.zeros([C], dtype=tl.float32)
-    for col0 in tl.static_range(0, V, BV):
+    for col0 in tl.range(0, V, BV):
         du = load_rows(dd, row0, hv, HV, V, C, BV, col0).to(t_in.dtype)
         vv = load_token_rows(v, src0, real, hv, HV, V, C, BV, col0)
         d_v_scaled = tl.dot(tl.trans(t_in), du)

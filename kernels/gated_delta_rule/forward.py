@@ -50,7 +50,7 @@ def ut_forward(k, v, beta, gamma, t_inv, w, u, chunk_rows, Tp, H: tl.constexpr, 
     t_in = load_rows(t_inv, row0, hv, HV, C, C, C).to(kk.dtype)
     key_scaled = (kk * (b * tl.exp(gam))[:, None]).to(kk.dtype)
     store_rows(w, tl.dot(t_in, key_scaled), row0, hv, HV, K, C, BK)
-    for col0 in tl.static_range(0, V, BV):
+    for col0 in tl.range(0, V, BV):
         vv = load_token_rows(v, src0, real, hv, HV, V, C, BV, col0)
         store_rows(u, tl.dot(t_in, (vv * b[:, None]).to(vv.dtype)), row0, hv, HV, V, C, BV, col0)
 
