@@ -255,7 +255,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             relay.send_state(final[-1:])
         del u
         o = _buffer(v.shape, v.dtype, v.device)
-        launch_fitting(fwd.output_forward, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
+        launch_fitting(fwd.output_forward, lambda s: (n, HV),
                        (q, k, h, delta, gamma, o, rows, scale, Tp, H, HV, K, V, CHUNK, _key_block(K)),
                        _parallel_settings(V, 4), _shape_key(q, v))
         kept = (w, h, delta) if TUNING["save_chunk_states"] else ()
@@ -281,7 +281,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             h, delta, _ = _walk(k, w, u, gamma, h0, plan, False)
             del u
         dd_local = _buffer((Tp, HV, V), v.dtype, v.device)
-        launch_fitting(bwd.delta_grad_local, lambda s: (n, HV, triton.cdiv(V, s["BV"])),
+        launch_fitting(bwd.delta_grad_local, lambda s: (n, HV),
                        (q, k, gamma, do, dd_local, rows, scale, Tp, H, HV, K, V, CHUNK, BK),
                        _parallel_settings(V, 4), key)
         dfinal = None if dfinal is None else dfinal.float().contiguous()

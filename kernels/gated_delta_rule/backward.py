@@ -39,15 +39,16 @@ from .common import (
 @triton.jit
 def delta_grad_local(q, k, gamma, do, dd_local, chunk_rows, scale, Tp, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    chunk, hv, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, col0 = chunk * C, col_block * BV
+    chunk, hv = tl.program_id(0), tl.program_id(1)
+    row0 = chunk * C
     src0, real = chunk_tokens(chunk_rows, chunk)
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
     gam, _ = load_gamma(gamma, row0, hv, Tp, C)
-    qk = tl.dot(qq, tl.trans(kk)) * decay_matrix(gam, C, False) * scale
-    dout = load_token_rows(do, src0, real, hv, HV, V, C, BV, col0)
-    store_rows(dd_local, tl.dot(tl.trans(qk).to(dout.dtype), dout), row0, hv, HV, V, C, BV, col0)
+    qk_t = tl.trans(tl.dot(qq, tl.trans(kk)) * decay_matrix(gam, C, False) * scale).to(qq.dtype)
+    for col0 in tl.range(0, V, BV):  # Q K^T made once for every value block
+        dout = load_token_rows(do, src0, real, hv, HV, V, C, BV, col0)
+        store_rows(dd_local, tl.dot(qk_t.to(dout.dtype), dout), row0, hv, HV, V, C, BV, col0)
 
 
 @triton.jit
@@ -97,6 +98,12 @@ def state_backward(q, k, w, gamma, do, dd_local, chunk_rows, doc_first_chunk, do
         store_state(dh0, dstate, doc * HV + hv, K, V, BK, BV, col0)
 
 
+# Value-column loops. Unrolled (`tl.static_range`), qkw_backward took 1.025 ms at gdn-1.3b's layer on an
+# H100 (16K tokens, 8 heads, K = 128, V = 256, bf16); as a loop, 0.535 ms. Not software-pipelined
+# (num_stages=1): pipelined it took 0.475 ms, but Triton 3.6 on Hopper then computed dW wrong at K = 64,
+# V = 128 in bf16 and fp16 (dk, dbeta and dg off by 3e-2 through ut_backward; fp32 and the other head
+# sizes right; disallow_acc_multi_buffer did not mend it). ut_backward stays unrolled: as a loop it
+# gained 0.02 ms.
 @triton.jit
 def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, chunk_rows, scale, Tp,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -117,7 +124,7 @@ def qkw_backward(q, k, h, dh, delta, dd, do, gamma, dq, dk, dw, dgamma, chunk_ro
         do_state = tl.zeros([C, KB], dtype=tl.float32)      # dO S^T
         delta_dh = tl.zeros([C, KB], dtype=tl.float32)      # Delta dS'^T
         dd_state = tl.zeros([C, KB], dtype=tl.float32)      # dDelta S^T
-        for col0 in tl.range(0, V, BV):
+        for col0 in tl.range(0, V, BV, num_stages=1):  # see above: not pipelined
             state = load_state(h, chunk * HV + hv, K, V, KB, BV, col0, key0)
             dstate = load_state(dh, chunk * HV + hv, K, V, KB, BV, col0, key0)
             dl = load_rows(delta, row0, hv, HV, V, C, BV, col0)
@@ -185,7 +192,7 @@ def ut_backward(k, v, beta, gamma, t_inv, dw, dd, dk, dk_out, dv, dbeta, dgamma,
         d_t += tl.dot(dww, tl.trans((kk * (b * e_gam)[:, None]).to(kk.dtype)))
     a = gram * decay_matrix(gam, C, True) * b[:, None]
     db = tl.zeros([C], dtype=tl.float32)
-    for col0 in tl.range(0, V, BV):
+    for col0 in tl.static_range(0, V, BV):  # unrolled: see the note above qkw_backward
         du = load_rows(dd, row0, hv, HV, V, C, BV, col0).to(t_in.dtype)
         vv = load_token_rows(v, src0, real, hv, HV, V, C, BV, col0)
         d_v_scaled = tl.dot(tl.trans(t_in), du)

@@ -129,16 +129,18 @@ def span_summary_forward(k, w, u, gamma, span_first, span_num_chunks, summary, T
 @triton.jit
 def output_forward(q, k, h, delta, gamma, o, chunk_rows, scale, Tp, H: tl.constexpr, HV: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """o is the caller's, unpadded (chunk_rows): padding rows are not written."""
-    chunk, hv, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, col0 = chunk * C, col_block * BV
+    """o is the caller's, unpadded (chunk_rows): padding rows are not written. One program per chunk and
+    head, the value columns in a loop: Q K^T is made once for all of them."""
+    chunk, hv = tl.program_id(0), tl.program_id(1)
+    row0 = chunk * C
     qq = load_rows(q, row0, hv // (HV // H), H, K, C, BK)
     kk = load_rows(k, row0, hv // (HV // H), H, K, C, BK)
     gam, _ = load_gamma(gamma, row0, hv, Tp, C)
-    qk = tl.dot(qq, tl.trans(kk)) * decay_matrix(gam, C, False) * scale
+    qk = (tl.dot(qq, tl.trans(kk)) * decay_matrix(gam, C, False) * scale).to(qq.dtype)
     q_decayed = (qq * (tl.exp(gam) * scale)[:, None]).to(qq.dtype)
-    state = load_state(h, chunk * HV + hv, K, V, BK, BV, col0)
-    d = load_rows(delta, row0, hv, HV, V, C, BV, col0)
-    out = tl.dot(q_decayed, state.to(qq.dtype)) + tl.dot(qk.to(d.dtype), d)
     src0, real = chunk_tokens(chunk_rows, chunk)
-    store_token_rows(o, out, src0, real, hv, HV, V, C, BV, col0)
+    for col0 in tl.range(0, V, BV):
+        state = load_state(h, chunk * HV + hv, K, V, BK, BV, col0)
+        d = load_rows(delta, row0, hv, HV, V, C, BV, col0)
+        out = tl.dot(q_decayed, state.to(qq.dtype)) + tl.dot(qk.to(d.dtype), d)
+        store_token_rows(o, out, src0, real, hv, HV, V, C, BV, col0)
