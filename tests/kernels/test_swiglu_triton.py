@@ -25,7 +25,8 @@ def on_kernels(monkeypatch):
     calls = []
     for name in ("silu_mul", "silu_mul_backward"):
         fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
+        monkeypatch.setattr(kernels, name,
+                            lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     monkeypatch.setattr(ops_swiglu, "auto_uses_triton", lambda x, name: name == "swiglu")
     return calls
 
