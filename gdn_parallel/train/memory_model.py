@@ -17,9 +17,9 @@ autocast) and checked against measurements (tools/memory_account.py, docs/benchm
 long context").
 
 Per rank: tokens are divided by parallel.cp, parameters and optimizer state by the FSDP2 shard
-(dp x cp), and the layers by pipeline stage; tensor parallelism divides the blocks' weights and
-working sets by tp (the residual stream only under sequence parallelism). The measured accuracy is
-for one GPU; the parallel terms follow the same counts.
+(dp: they are replicated over cp, parallel/data_parallel.py), and the layers by pipeline stage;
+tensor parallelism divides the blocks' weights and working sets by tp (the residual stream only
+under sequence parallelism). Checked on one GPU and under cp = 2 and 4 (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def predict_peak(config: Config, rows: int | None = None,
     blocks = math.ceil(model.n_layers / pp)
     symbols = model.layer_types[:blocks]
     block_params = [n / tp for n in block_params[:blocks]]
-    shard = par.dp * cp if par.data_parallel == "fsdp" else 1
+    shard = par.dp if par.data_parallel == "fsdp" else 1   # HSDP: replicated over cp
     local = (sum(block_params) + rest / tp) / shard
     weights, optimizer = FP32 * local, 2 * FP32 * local
     # one hidden row of the residual stream (on the GPU, where autocast runs)

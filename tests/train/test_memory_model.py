@@ -63,12 +63,35 @@ def test_a_bf16_residual_stream_halves_the_rows_of_the_stream():
     assert plain.peak_gib == pytest.approx(predict_peak(h1(131072, "train.dtype=float32")).peak_gib)
 
 
-def test_context_parallelism_divides_the_tokens():
+def test_context_parallelism_divides_the_tokens_not_the_weights():
     one = predict_peak(h1(262144, "train.activation_offload=cpu"))
     two = predict_peak(h1(524288, "train.activation_offload=cpu", "parallel.cp=2"))
-    # the same tokens per rank; FSDP2 shards weights and optimizer state over the two cp ranks
+    # the same tokens per rank, and FSDP2 replicates weights and optimizer state over cp (HSDP): the
+    # same peak as one GPU's
     assert two.working_set_gib == pytest.approx(one.working_set_gib)
-    assert two.optimizer_state_gib == pytest.approx(one.optimizer_state_gib / 2)
+    assert two.optimizer_state_gib == pytest.approx(one.optimizer_state_gib)
+    assert two.peak_gib == pytest.approx(one.peak_gib)
+    # data parallelism under FSDP2 shards them
+    sharded = predict_peak(h1(524288, "train.activation_offload=cpu", "parallel.cp=2", "parallel.dp=2"))
+    assert sharded.optimizer_state_gib == pytest.approx(one.optimizer_state_gib / 2)
+
+
+# Peaks of the long-context configs as shipped, one rank of 2 or 4 (torch.cuda.max_memory_allocated,
+# GiB; 4 H200s, 2026-11-26, docs/benchmarks.md "The long-context configs on several GPUs"): the cp
+# ranks each hold the whole model, its gradients and optimizer state.
+MEASURED_CP = [("h1-1.3b-256k", [], 54.99), ("h1-1.3b-1m", ["train.activation_offload=none"], 93.54),
+               ("h1-1.3b-1m", [], 55.26)]
+
+
+@pytest.mark.parametrize("name, overrides, measured_gib", MEASURED_CP)
+def test_prediction_under_context_parallelism(name, overrides, measured_gib):
+    predicted = predict_peak(Config.from_yaml(f"configs/{name}.yaml", overrides)).peak_gib
+    assert abs(predicted / measured_gib - 1) < PREDICTION_ERROR / 2, (name, predicted, measured_gib)
+
+
+def test_the_long_context_configs_fit_an_h100():
+    for name in ("h1-1.3b-256k", "h1-1.3b-1m"):
+        assert predict_peak(Config.from_yaml(f"configs/{name}.yaml")).peak_gib < 79.2 * (1 - PREDICTION_ERROR)
 
 
 def test_settings_that_fit_name_the_remedies_in_order():
