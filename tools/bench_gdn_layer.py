@@ -30,7 +30,6 @@ if not torch.cuda.is_available():  # a dry run of the script itself (interpreter
 cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
 def inputs(dtype):
     g = torch.Generator(device=dev).manual_seed(1)
-    dtype = dtype if dev == "cuda" else torch.float32
     q = torch.randn(B, T, H, K, device=dev, generator=g).to(dtype)
     k = torch.randn(B, T, H, K, device=dev, generator=g).to(dtype)
     v = torch.randn(B, T, HV, V, device=dev, generator=g).to(dtype)
