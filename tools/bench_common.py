@@ -120,8 +120,10 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step()  # nothing cold inside the profile
     _sync(device)
-    # The profiler's first recorded step pays its start-up: record the second one only.
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1)) as prof:
+    # The profiler's first recorded step pays its start-up: record the second one only. One cycle
+    # (repeat=1): with cycles repeating, the profiler clears the recorded step's events when the next
+    # cycle begins and key_averages() comes back empty.
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
         for _ in range(2):
             start = time.perf_counter()
             step()
@@ -131,6 +133,8 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
     kernels = []
     for evt in prof.key_averages():
         if evt.device_type == DeviceType.CPU:  # an op's device time is its kernels': count them once
+            continue
+        if evt.key.startswith("ProfilerStep"):  # the step's own annotation on the GPU track, not a kernel
             continue
         device_us = getattr(evt, "self_device_time_total", None)
         if device_us is None:
