@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kinds", nargs="+", choices=list(CORRUPTIONS), metavar="KIND",
                         help=f"corrupt: these kinds only ({', '.join(CORRUPTIONS)})")
     parser.add_argument("--jobs", type=int, default=5, help="restarts: torchrun jobs (default 5)")
+    parser.add_argument("--max-restarts", type=int, default=2,
+                        help="restarts: torchrun's --max-restarts (default 2; the kill needs 1)")
     parser.add_argument("--data", choices=["small", "stdlib"], default="small",
                         help="'small': the first ~2 MB of stdlib modules as a directory source (default: "
                              "4 s less per start); 'stdlib': the trainer's default corpus")

@@ -5,6 +5,9 @@
 #   bash tools/gpu_acceptance.sh fp32_256  (the one fp32 K = V = 256 case: minutes of compilation)
 #   bash tools/gpu_acceptance.sh ab        (tools/bench_ab.py: this tree's trainer against .bench_baseline's)
 #   bash tools/gpu_acceptance.sh ab_stream (the same, model.residual_in_fp32=false against this tree's default)
+#   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
+#                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2 and
+#                                           multi4l on 4 GPUs: the 4-GPU verify takes ~10 minutes, in 2 halves)
 # Results and logs under $OUT (device tool) or runs/gpu_acceptance.
 # 1. tools/gpu_smoke.py: every config trains 20 steps at its own batch (finite, falling loss);
 # 2. the GPU tests in groups run at once, each with its own time limit, so that a slow or failing
@@ -16,6 +19,13 @@ set -u
 out=${OUT:-runs/gpu_acceptance}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+if ! python3 -c "import gdn_kernels" 2>/dev/null; then
+    # `pip install -e .` on the GPU image (2026-11-27, torch 2.11) reported success yet left gdn_kernels
+    # unimportable: the kernels package is then reached through a link named as it installs
+    mkdir -p runs/pythonpath && ln -sfn "$PWD/kernels" runs/pythonpath/gdn_kernels
+    export PYTHONPATH="$PWD/runs/pythonpath:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "note: gdn_kernels not installed; using PYTHONPATH=$PYTHONPATH"
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 step() {  # name, seconds, command...
@@ -87,6 +97,38 @@ if [[ " $parts " == *" ab_stream "* ]]; then  # this tree with a bf16 residual s
         --steps 40 --profile 35,36 --set train.log_every=10 --timeout 130 \
         --configs configs/gdn-0.4b.yaml,configs/gdn-1.3b.yaml --out "$out/bench_ab_stream"
     tail -30 "$out/bench_ab_stream.log"
+fi
+# The multi-GPU acceptance (issue 41): gdn-verify --checkpoint bf16 over every default layout, the
+# long-context config across an asynchronous save and resumed from it, the restart drill. On 4 GPUs the
+# 2-GPU legs run side by side (verify and the drill on GPUs 0,1; the 256K config on 2,3).
+if [[ " $parts " == *" multi"* ]]; then
+    # stopped (a device call's own timeout): stop every leg, whose drivers then kill their torchrun jobs
+    # (left running, they held the GPUs, and the next call's first job died out of memory)
+    trap 'trap - TERM INT; kill -TERM 0' TERM INT
+    M=(python3 tools/multi_gpu_acceptance.py --out "$out/multi" --work runs/multi_gpu_work)
+    n=$(nvidia-smi -L | wc -l)
+    step multi_data 300 "${M[@]}" data
+    if [[ " $parts " == *" multi "* || " $parts " == *" multi2 "* ]]; then
+        if (( n >= 4 )); then   # GPUs 0,1: verify beside the drill's small jobs; 2,3: the 256K config
+            step multi_verify2 540 "${M[@]}" verify --gpus 0,1 --limit-s 530 &
+            step multi_drill 300 "${M[@]}" drill --gpus 0,1 --limit-s 290 &
+            step multi_long2 540 "${M[@]}" long --gpus 2,3 --steps 10 --save-after 5 --limit-s 260 &
+            wait
+        else
+            step multi_verify2 590 "${M[@]}" verify --limit-s 580
+            step multi_drill 250 "${M[@]}" drill --limit-s 240
+            step multi_long2 420 "${M[@]}" long --steps 10 --save-after 5 --limit-s 200
+        fi
+    fi
+    for half in 1 2; do
+        if (( n >= 4 )) && [[ " $parts " == *" multi "* || " $parts " == *" multi4v$half "* ]]; then
+            step multi_verify4_$half 560 "${M[@]}" verify --verify-part $half/2 --limit-s 550
+        fi
+    done
+    if (( n >= 4 )) && [[ " $parts " == *" multi "* || " $parts " == *" multi4l "* ]]; then
+        step multi_long4 590 "${M[@]}" long --steps 9 --save-after 4 --limit-s 280
+    fi
+    "${M[@]}" --table "$out"/multi/leg_*.json
 fi
 # The trainer rows' chrome traces (bench_trainer/*/profile/trace_rank0.json) are tens of MB each: leave
 # them out of what comes back from the device (tar --exclude='trace_*').

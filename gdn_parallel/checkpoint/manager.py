@@ -115,8 +115,12 @@ class CheckpointSaver:
         # of staged CPU copies; also when training runs on NCCL). Every rank builds the saver, so
         # every rank takes part in creating the group. A new group does not inherit the default
         # group's timeout: it is given the run's.
-        self._save_group = (dist.new_group(backend="gloo", timeout=timeout or None)
-                            if async_save and dist.is_initialized() and dist.get_world_size() > 1 else None)
+        several = async_save and dist.is_initialized() and dist.get_world_size() > 1
+        self._save_group = dist.new_group(backend="gloo", timeout=timeout or None) if several else None
+        # The ranks agree that a background save is written (poll, once a step) on a gloo group of its
+        # own too: on the training group (NCCL) the flag would be a CUDA tensor read back every step, a
+        # wait for the whole queued step while the save is in flight.
+        self._poll_group = dist.new_group(backend="gloo", timeout=timeout or None) if several else None
 
     def save(self, step: int, named_params: list[tuple[str, nn.Parameter]], optimizer, dims, config: Config,
              data_stream: dict[str, Any], **extra: Any) -> Path:
@@ -147,13 +151,19 @@ class CheckpointSaver:
         self._publish(step, record, config)
         return files.final_path(self.out_dir, step)
 
+    @property
+    def in_flight(self) -> bool:
+        """An asynchronous save started and not yet published."""
+        return self._pending is not None
+
     def poll(self) -> None:
         """Publish a finished asynchronous save (cheap; call once per step). Every rank must call it at
         the same steps: publishing is a collective."""
         if self._pending is not None:
-            done = torch.tensor([float(self._pending[0].done())], device=ranks.flag_device())
-            if dist.is_initialized():
-                dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every rank's part written
+            done = torch.tensor([float(self._pending[0].done())])
+            if self._poll_group is not None:
+                # every rank's part written
+                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
             if done.item():
                 self.finish()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -26,13 +25,6 @@ def world() -> int:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def flag_device() -> torch.device:
-    """Where a small collective buffer lives: NCCL reduces CUDA tensors only."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def gathered(value):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import replay
+from . import links, replay
 from .context import CPContext
 
 
@@ -32,7 +32,7 @@ class PendingRecv:
             replay.record(self.buffer)
             return
         self.buffer = torch.empty(shape, dtype=dtype, device=device)
-        self.work = dist.irecv(self.buffer, src=cp.global_rank(cp.rank - 1), group=cp.group)
+        self.work = links.irecv(self.buffer, cp.global_rank(cp.rank - 1), cp.group)
         replay.record(self.buffer)
 
     def _wait(self) -> None:
@@ -94,7 +94,7 @@ class StateRelay:
     def receive_state_grad(self) -> torch.Tensor:
         shape, dtype, device = self.meta
         grad = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(grad, src=self.cp.global_rank(self.cp.rank + 1), group=self.cp.group)
+        links.irecv(grad, self.cp.global_rank(self.cp.rank + 1), self.cp.group).wait()
         return grad
 
     def send_state_grad(self, grad: torch.Tensor) -> None:
@@ -140,7 +140,7 @@ def _isend(cp: CPContext, tensor: torch.Tensor, dst: int) -> None:
         # checkpointing that pinned every layer's conv inputs on all but the last CP rank until
         # the end of the step: the CP=2 step's extra 10 GB at 64K tokens per rank.
         tensor = tensor.clone()
-    cp.outbox.post(dist.isend(tensor, dst=cp.global_rank(dst), group=cp.group))
+    cp.outbox.post(links.isend(tensor, cp.global_rank(dst), cp.group))
 
 
 class _ReceivedFromPrev(torch.autograd.Function):
@@ -168,7 +168,7 @@ class _SentToNext(torch.autograd.Function):
     def backward(ctx, _unused):
         shape, dtype, device = ctx.meta
         grad = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(grad, src=ctx.cp.global_rank(ctx.cp.rank + 1), group=ctx.cp.group)
+        links.irecv(grad, ctx.cp.global_rank(ctx.cp.rank + 1), ctx.cp.group).wait()
         return grad, None
 
 

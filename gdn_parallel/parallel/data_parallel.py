@@ -123,6 +123,15 @@ def _sum_allreduce_hook(state, bucket):
     """DDP comm hook: all-reduce the bucket with SUM (the default hook divides by the group size),
     in `reduce_dtype` when one is given; asynchronous like the default.
 
+    The future it returns must carry the collectives' completion to whoever reads the bucket. An
+    NCCL future completes when its collective is queued, and its value is ready only on a stream
+    that waited for it (`Future.wait()` inside a callback makes the callback's stream wait, without
+    blocking the host); a future made by `torch.futures.collect_all` is a plain CPU future that
+    knows no streams, so DDP copied the buckets into the gradients while NCCL was still summing them
+    (dp2 ddp on 2 H100s: gradients off by 0.7-1.0 relative; gloo's futures complete when the sum is
+    done, so CPU runs never saw it). So the result is chained from the collectives' own futures, and
+    the callback waits on each of them.
+
     Over more than two ranks each parameter's gradient is reduced on its own. DDP rebuilds its
     buckets after its first step (in the order gradients became ready), so a resumed run's first
     step has other buckets than the uninterrupted run's; an all-reduce's summation order over 3+
@@ -137,13 +146,15 @@ def _sum_allreduce_hook(state, bucket):
     sends = [p if reduce_dtype is None or reduce_dtype == p.dtype else p.to(reduce_dtype) for p in pieces]
     futures = [dist.all_reduce(send, group=group, async_op=True).get_future() for send in sends]
 
-    def done(_fut):
+    def reduced(_last):
+        for future in futures:   # CUDA: this stream waits for each collective; CPU: already done
+            future.wait()
         for piece, send in zip(pieces, sends):
             if send is not piece:  # reduced in reduce_dtype
                 piece.copy_(send)
         return buffer
 
-    return torch.futures.collect_all(futures).then(done)
+    return futures[-1].then(reduced)
 
 
 def _apply_ddp(module, dims, reduce_dtype):

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..comm.links import connect_neighbours
 from ..config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
@@ -67,5 +69,20 @@ def build_mesh(config: ParallelConfig, device_type: str, timeout: timedelta | No
     if not _accepts(init_device_mesh, "backend_override"):
         options = None
     kwargs: dict[str, Any] = {"backend_override": {dim: options for dim in MESH_DIMS}} if options else {}
-    return ParallelDims(config, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, **kwargs),
+    dims = ParallelDims(config, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, **kwargs),
                         options)
+    if config.cp > 1:
+        _link_cp_neighbours(dims, device_type, timeout)
+    return dims
+
+
+def _link_cp_neighbours(dims: ParallelDims, device_type: str, timeout: timedelta | None) -> None:
+    """The CP hand-overs' point-to-point links, made now rather than in the first step (comm/links.py)."""
+    cp_axis = MESH_DIMS.index("cp")
+    ranks = dims.mesh.mesh.movedim(cp_axis, -1).reshape(-1, dims.config.cp).tolist()
+    mine = dims.group("cp")
+    me = dist.get_rank()
+    device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+              else torch.device(device_type))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    connect_neighbours(ranks, [mine if me in row else None for row in ranks], device, timeout, backend)

@@ -440,6 +440,13 @@ class PipelineRunner:
                 module.set_microbatches(None)
         return losses
 
+    def _blocking_p2p(self, op, tensor: torch.Tensor, stage: int) -> None:
+        """Send to or receive from `stage`'s rank and wait. Batched, as the schedules' own P2P ops are, so
+        it runs on the pp group's communicator (an unbatched op would make a two-rank NCCL communicator
+        of its own at the first evaluation, and warn on every rank)."""
+        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, self._global_rank(stage), self.pp_group)]):
+            work.wait()
+
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Any], label_normalizer: float) -> torch.Tensor:
         """Forward only: `sum_mb(loss_sum_mb) / label_normalizer` on every pp rank.
@@ -464,13 +471,13 @@ class PipelineRunner:
                         else:
                             x = torch.empty(*mb.input_ids.shape, hidden, dtype=module.hidden_dtype,
                                             device=self.device)
-                            dist.recv(x, src=self._global_rank(module.stage_id - 1), group=self.pp_group)
+                            self._blocking_p2p(dist.irecv, x, module.stage_id - 1)
                         with module.running(index):
                             out = module(x)
                         if module.is_last:
                             total += out / normalizer
                         else:
-                            dist.send(out, dst=self._global_rank(module.stage_id + 1), group=self.pp_group)
+                            self._blocking_p2p(dist.isend, out, module.stage_id + 1)
         finally:
             for module in self.stage_modules:
                 module.set_microbatches(None)

@@ -30,7 +30,7 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -38,6 +38,7 @@ from typing import TextIO
 import torch
 
 from ..config import LogConfig
+from .compile_watch import describe as describe_compiled
 from .metrics_sinks import METRICS_FILE, JsonlSink, MetricsSink, read_metrics, sinks_from_config
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name fragment; first match wins.
@@ -197,6 +198,10 @@ class ProgressLogger:
         self.flops_per_token, self.peak_flops = settings.flops_per_token, settings.peak_flops
         self.first_step = first_step = settings.first_step
         self.print = print_fn or (lambda line: print(line, flush=True))
+        # more entries of each step line's record, set by the trainer: what was compiled since the last
+        # line ("compiled": train/compile_watch.py, also said once start-up is over) and whether a
+        # checkpoint was being written in the background ("saving")
+        self.extras: Callable[[], dict] = dict
         self.out_dir = Path(settings.out_dir) if settings.out_dir else None
         self.losses: list[float] = []                      # every step's training loss, this process
         self.loss_points: list[tuple[int, float]] = []     # (step, loss) of the same steps
@@ -290,6 +295,8 @@ class ProgressLogger:
             "interval_s": interval_s,
             "interval_steps": self._interval_steps,
         }
+        record.update(self.extras())
+        compiled = record.get("compiled")
         self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
         second_line = len(self.records) == 1
         if second_line:
@@ -298,6 +305,9 @@ class ProgressLogger:
         self.say(self.format(record))
         if second_line:
             self.say(self.format_startup(record["startup"]))
+        elif compiled and len(self.records) > 2:   # past start-up, a compilation is news: it slowed this line
+            self.say(f"note  | step {step}: {describe_compiled(compiled)} since the last line "
+                     f"(seconds of this interval)")
         self._emit(record)
         self._update_bar(step, force=True)
         if not math.isfinite(record["loss"]):
@@ -349,23 +359,28 @@ class ProgressLogger:
                 f"mem {r['mem_mib']:,.0f} MiB | eta {format_duration(r['eta_s'])}")
 
     def eval(self, step: int, val_loss: float | None,
-             val_loss_by_position: dict[str, float] | None = None, val_bpb: float | None = None) -> dict:
+             val_loss_by_position: dict[str, float] | None = None, val_bpb: float | None = None,
+             seconds: float | None = None) -> dict:
         """An evaluation after `step`: prints the eval line and records val_loss (None: no labelled
         tokens), val_bits_per_token, val_bpb (bits per byte of text: when the data records its bytes,
-        train/evaluation.py) and, if given, the loss by position bucket {"start-end": loss}."""
+        train/evaluation.py), if given, the loss by position bucket {"start-end": loss} and the time the
+        evaluation took (eval_s)."""
+        took = "" if seconds is None else f" | {seconds:.1f} s"
         if val_loss is None:
-            self.say(f"eval step {step}/{self.total_steps} | val_loss n/a")
+            self.say(f"eval step {step}/{self.total_steps} | val_loss n/a{took}")
         else:
             self.val_points.append((step, val_loss))
             self.say(f"eval step {step}/{self.total_steps} | val_loss {val_loss:.4f} | "
                      f"val_bits_per_token {val_loss / math.log(2):.3f}"
-                     + ("" if val_bpb is None else f" | val_bpb {val_bpb:.3f}"))
+                     + ("" if val_bpb is None else f" | val_bpb {val_bpb:.3f}") + took)
         record = {"step": step, "val_loss": val_loss,
                   "val_bits_per_token": None if val_loss is None else val_loss / math.log(2)}
         if val_bpb is not None:
             record["val_bpb"] = val_bpb
         if val_loss_by_position is not None:
             record["val_loss_by_position"] = dict(val_loss_by_position)
+        if seconds is not None:
+            record["eval_s"] = seconds
         self._emit(record)
         self.plot()
         return record

@@ -291,4 +291,19 @@ def _progress_logger(run: RunState, resumed: bool) -> ProgressLogger:
                                 out_dir=train.out_dir if is_main else "",
                                 log=run.config.log if is_main else None, run_config=run.config.to_dict(),
                                 first_step=run.start_step, append=resumed)
-    return ProgressLogger(settings, run.device, run.say)
+    logger = ProgressLogger(settings, run.device, run.say)
+    logger.extras = lambda: _line_extras(run)
+    return logger
+
+
+def _line_extras(run: RunState) -> dict:
+    """What a step line records besides its numbers: compilations since the last line, and whether an
+    asynchronous checkpoint was still being written (either explains a slow interval)."""
+    extras = {}
+    compiled = run.compile_watch.take()
+    if compiled:
+        extras["compiled"] = compiled
+    if run.beside_save:
+        extras["saving"] = True
+        run.beside_save = False
+    return extras

@@ -11,6 +11,7 @@ from ..config import Config
 from ..data import TokenBatches
 from ..parallel.mesh import ParallelDims
 from ..parallel.parallelize import ParallelModel
+from .compile_watch import CompileWatch
 from .profiling import StepProfiler
 from .progress import ProgressLogger
 from .step_outcome import StepOutcome
@@ -55,6 +56,8 @@ class RunState:
     skipped_in_row: int = 0             # non-finite steps in a row, skipped
     pending: StepOutcome | None = None  # the last step, until the host books it (trainer._settle)
     val_loss: float | None = None       # of the last evaluation
+    compile_watch: CompileWatch = field(default_factory=CompileWatch)   # what each progress line compiled
+    beside_save: bool = False           # a step since the last line ran beside a background save
 
     @property
     def tokens_per_step(self) -> int:

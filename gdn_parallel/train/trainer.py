@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,12 +83,13 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
         if run.profiler is not None:
             run.profiler.close()
         if run.saver is not None:
-            run.saver.finish()
+            _finish_saving(run)
     except BaseException:
         run.logger.close()
         raise
     finally:
         stop.restore()
+        run.compile_watch.close()
     return _summary(run)
 
 
@@ -108,7 +110,8 @@ def _run_step(run: RunState, step: int, stop: StopRequest) -> bool:
     if evaluating:
         _evaluate(run, step)
     if run.saver is not None:
-        run.saver.poll()
+        with run.logger.paused():  # publishing a finished background save is checkpointing, not training
+            run.saver.poll()
         if saving:
             _save(run, step)
     if stopping:
@@ -127,6 +130,7 @@ def _optimizer_step(run: RunState, step: int) -> None:
     AdamW applied, unless the loss or gradient norm is not finite (then skipped, and counted)."""
     train, optimizer, scaler = run.config.train, run.optimizer, run.scaler
     run.last_step = step
+    run.beside_save |= run.saver is not None and run.saver.in_flight
     microbatches = [next(run.batches).to(run.device, non_blocking=True) for _ in range(train.microbatches)]
     lr = run.schedule(step)
     for group in optimizer.param_groups:
@@ -175,10 +179,12 @@ def _skip(run: RunState, step: int, loss: torch.Tensor, grad_norm: torch.Tensor)
 
 def _evaluate(run: RunState, step: int) -> None:
     with run.logger.paused():  # evaluation time is not training throughput
+        start = time.perf_counter()
         result = evaluate(run.parallel, run.validation.steps, run.config.train.seq_len, run.autocast_dtype,
                           run.validation.text_bytes)
         run.val_loss = result["val_loss"]
-        run.logger.eval(step, run.val_loss, result["val_loss_by_position"], result["val_bpb"])
+        run.logger.eval(step, run.val_loss, result["val_loss_by_position"], result["val_bpb"],
+                        seconds=time.perf_counter() - start)
 
 
 def _save(run: RunState, step: int) -> None:
@@ -190,6 +196,15 @@ def _save(run: RunState, step: int) -> None:
         run.say(f"save  | {where}"
                 + (" (writing in the background)" if run.config.checkpoint.async_save else ""))
         run.logger.record({"step": step, "checkpoint": where})
+
+
+def _finish_saving(run: RunState) -> None:
+    """Wait for the last background save to be written and published, and say how long that took."""
+    if not run.saver.in_flight:
+        return
+    start = time.perf_counter()
+    run.saver.finish()
+    run.say(f"save  | the last checkpoint written {time.perf_counter() - start:.1f} s after the run's end")
 
 
 def _summary(run: RunState) -> dict:

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             result = verify(request.config.model, request.seed, steps, request.layouts, device,
                             OptimizerSettings.from_train_config(request.config.train), request.seq_len,
                             request.precision, args.tolerance, request.faults, progress=say,
-                            checkpoint=checkpoint)
+                            checkpoint=checkpoint,
+                            after_layout=lambda so_far: _write_so_far(request, so_far, device, is_main))
         if is_main:
             _report(request, result, device, say)
     return 0 if result.passed else 1
@@ -234,12 +235,23 @@ def _report(request: VerifyRequest, result, device: torch.device, say) -> None:
             f"bit")
     for line in table(result):
         say(line)
+    say(f"json | {write_json(to_json(result, _json_header(request, result, device)), args.json)}")
+
+
+def _write_so_far(request: VerifyRequest, result, device: torch.device, is_main: bool) -> None:
+    """The JSON after each layout (rank 0): a run stopped part-way keeps the layouts it finished."""
+    if is_main:
+        write_json(to_json(result, _json_header(request, result, device)), request.args.json)
+
+
+def _json_header(request: VerifyRequest, result, device: torch.device) -> dict:
+    args = request.args
     header = {"world": request.world, "device": _device_name(device), "config": str(args.config),
               "overrides": args.overrides, "steps": request.steps, "micro_batches": request.world,
               "rows": args.rows, "seq_len": request.seq_len, "seed": request.seed}
     if args.checkpoint:
         header["checkpoint"] = {"saved_after_step": SAVED_AFTER, "val_loss_bound": result.val_loss_bound}
-    say(f"json | {write_json(to_json(result, header), args.json)}")
+    return header
 
 
 def _faults(specs: list[str], runnable: list[Layout], checkpoint: bool) -> dict[str, str]:

@@ -90,6 +90,7 @@ def to_json(result: Verification, header: dict) -> dict:
         "reference": {"first_loss": result.reference_loss, "seconds": result.reference_seconds},
         "bf16_one_device": measured(result.baseline),
         "passed": result.passed,
+        "finished": result.finished,   # false: the run stopped part-way (the layouts it finished are here)
         "layouts": [{**r.layout.as_dict(), "status": r.status, "reason": r.reason, "seconds": r.seconds,
                      **(measured(r.measured) or {}), **(r.checkpoint.as_dict() if r.checkpoint else {})}
                     for r in result.results],

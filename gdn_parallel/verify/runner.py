@@ -48,10 +48,11 @@ class Verification:
     baseline: Measured | None = None      # bf16 on one device vs fp32 (bf16 runs only)
     reference_seconds: float = 0.0
     val_loss_bound: float | None = None   # --checkpoint runs only
+    finished: bool = False                # every layout asked for has run
 
     @property
     def passed(self) -> bool:
-        return all(r.status != "fail" for r in self.results)
+        return self.finished and all(r.status != "fail" for r in self.results)
 
 
 def single_device_bf16(reference: ReferenceModel, first: StepGradients,
@@ -85,11 +86,13 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
            layouts: Sequence[tuple[Layout, str | None]], device: torch.device,
            optimizer: OptimizerSettings, seq_len: int, precision: str, tolerance: float | None = None,
            faults: dict[str, str] | None = None, progress: Callable[[str], None] = lambda line: None,
-           checkpoint: CheckpointSettings | None = None) -> Verification:
+           checkpoint: CheckpointSettings | None = None,
+           after_layout: Callable[[Verification], None] = lambda result: None) -> Verification:
     """Run the reference and every layout ((layout, skip reason or None)) on this rank. `faults`
     (tests only): {layout name: the quantity to spoil on purpose (layout_run.FAULT_KINDS,
     checkpoint_leg.CHECKPOINT_FAULTS)}. `checkpoint`: each layout also saves and resumes a checkpoint
-    (checkpoint_leg.py; needs two steps or more)."""
+    (checkpoint_leg.py; needs two steps or more). `after_layout` sees the result so far after each
+    layout (the JSON is rewritten then: a run stopped part-way keeps the layouts it finished)."""
     start = time.perf_counter()
     reference = ReferenceModel(model_config, seed, device, optimizer)
     first = reference.gradients(steps[0])
@@ -136,4 +139,6 @@ def verify(model_config: ModelConfig, seed: int, steps: Sequence[Sequence[Packed
         result.results.append(outcome)
         progress(f"{outcome.status:<9} | {number} {layout.name} in {outcome.seconds:.1f} s"
                  + (f": {outcome.reason}" if outcome.reason else ""))
+        after_layout(result)
+    result.finished = True
     return result

@@ -1,6 +1,8 @@
 """The trainer's `save  |` line and metrics record name the checkpoint the saver publishes (the path
-CheckpointSaver.save returns), synchronously and in the background."""
+CheckpointSaver.save returns), synchronously and in the background; the wait for the last background
+save is said."""
 import json
+import re
 
 import pytest
 
@@ -18,9 +20,13 @@ def test_the_save_line_names_the_published_checkpoint(tmp_path, capsys, async_sa
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("save  | ")]
     checkpoints = tmp_path / "checkpoints"
     background = " (writing in the background)" if async_save else ""
-    # checkpoint.interval=2: after step 1 (2 steps done), and after the last step (3 done)
-    assert lines == [f"save  | {checkpoints / 'step_2'}{background}",
-                     f"save  | {checkpoints / 'step_3'}{background}"]
+    # checkpoint.interval=2: after step 1 (2 steps done), and after the last step (3 done); a background
+    # save is then waited for, and the wait said
+    assert lines[:2] == [f"save  | {checkpoints / 'step_2'}{background}",
+                         f"save  | {checkpoints / 'step_3'}{background}"]
+    assert len(lines) == 2 + async_save
+    if async_save:
+        assert re.fullmatch(r"save  \| the last checkpoint written \d+\.\d s after the run's end", lines[2])
     assert (checkpoints / "step_2" / "COMPLETE").is_file() and (checkpoints / "step_3" / "COMPLETE").is_file()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     saved = [(r["step"], r["checkpoint"]) for r in records if "checkpoint" in r]

@@ -125,3 +125,35 @@ def conv_impl_case(rank, world):
 def test_cp_conv_impl_triton_matches_torch():
     pytest.importorskip("triton")
     assert all(run_workers(conv_impl_case, 2))
+
+
+@pytest.mark.parametrize("cu, rank", [([0, 40], 1),            # a halo of the whole window
+                                      ([0, 17, 40], 1),        # 3 tokens of the document over the boundary
+                                      ([0, 20, 40], 1),        # a document starts at the boundary
+                                      ([0, 40], 0)])           # rank 0: nothing before it
+def test_sliding_window_keys_have_one_length(cu, rank):
+    """Whatever halo a row's documents give a rank, its sliding-window keys have one length (the
+    compiled FlexAttention would compile again for each new one), and the free slots change nothing:
+    the attention equals the one over the real keys alone."""
+    from gdn_parallel.ops.attention.cp import _fixed_halo_keys
+    from gdn_parallel.ops.attention.masked import masked_attention
+
+    window, L, heads, dim = 9, 20, 2, 4
+    cp = CPContext.build(None, cu, L, rank=rank, size=2)
+    gen = generator(11)
+    q = torch.randn(1, L, heads, dim, generator=gen, dtype=torch.float64)
+    kv_local = torch.randn(1, L, heads, 2 * dim, generator=gen, dtype=torch.float64)
+    h = cp.halo_len(window - 1)
+    halo = torch.randn(1, h, heads, 2 * dim, generator=gen, dtype=torch.float64) if h else None
+    q_index = torch.arange(cp.start, cp.end)
+    q_doc = cp.local_doc_ids()
+    kv, k_index, k_doc = _fixed_halo_keys(cp, kv_local, halo, window - 1, q_doc)
+    assert kv.shape[1] == k_index.shape[0] == k_doc.shape[0] == L + 128   # window - 1 in whole tiles
+    real = kv_local if halo is None else torch.cat([halo, kv_local], dim=1)
+    real_index = torch.arange(cp.start - h, cp.end)
+    real_doc = torch.cat([torch.full((h,), cp.doc_of(cp.start)), q_doc])
+    out = masked_attention(q, *kv.split(dim, -1), q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc,
+                           window=window, impl="sdpa")
+    ref = masked_attention(q, *real.split(dim, -1), q_index=q_index, k_index=real_index, q_doc=q_doc,
+                           k_doc=real_doc, window=window, impl="sdpa")
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -242,3 +242,60 @@ def test_the_loss_normalizer_stays_on_the_device_over_dp():
     a device read on a GPU): the labels summed, at least 1; with dp = 1 the host's own count."""
     assert run_workers(_normalizers, 2) == [[("Tensor", 8), ("Tensor", 1)]] * 2
     assert run_workers(_normalizers, 1) == [[("int", 7), ("int", 1)]]
+
+
+# ---------------------------------------------------------------- the DDP comm hook's future
+class _QueuedSum(torch.futures.Future):
+    """A collective's future as NCCL's behaves: complete as soon as the collective is queued, its sum
+    there only for a reader that waits on this future (here the sum lands when wait() is called; on
+    a GPU it lands when the NCCL stream gets to it, and a stream that waited sees it)."""
+
+    def __init__(self, tensor: torch.Tensor, world: int):
+        super().__init__()
+        self._tensor, self._world, self._landed = tensor, world, False
+        self.set_result(tensor)
+
+    def wait(self):
+        if not self._landed:
+            self._tensor.mul_(self._world)   # every rank held the same values: their sum
+            self._landed = True
+        return super().wait()
+
+
+class _Bucket:
+    def __init__(self, grads):
+        self._buffer = torch.cat([g.flatten() for g in grads])
+        self._grads = grads
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._grads
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float64])
+def test_ddp_hook_result_waits_for_every_collective(monkeypatch, world, reduce_dtype):
+    """The hook's future must hand DDP the bucket only through the collectives' own futures: with
+    NCCL, a future that merely collects theirs (torch.futures.collect_all) is ready before the sums
+    are, and DDP trained on half-reduced gradients on GPUs while every gloo test passed."""
+    from gdn_parallel.parallel import data_parallel
+
+    queued = []
+
+    def all_reduce(tensor, group=None, async_op=False):
+        future = _QueuedSum(tensor, world)
+        queued.append(future)
+        return type("Work", (), {"get_future": lambda self: future})()
+
+    monkeypatch.setattr(data_parallel.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(data_parallel.dist, "get_world_size", lambda group=None: world)
+    g = generator(7)
+    grads = [torch.randn(n, generator=g) for n in (5, 3, 8)]
+    bucket = _Bucket(grads)
+    expected = bucket.buffer().clone() * world
+    result = data_parallel._sum_allreduce_hook((None, reduce_dtype), bucket).wait()
+    assert len(queued) == (1 if world <= 2 else len(grads))
+    assert result.data_ptr() == bucket.buffer().data_ptr()
+    assert torch.equal(result, expected)

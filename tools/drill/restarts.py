@@ -1,4 +1,5 @@
-"""Part 4: `torchrun --max-restarts=2 --nproc_per_node=2 ... --resume auto` with one worker SIGKILLed
+"""Part 4: `torchrun --max-restarts=2 --nproc_per_node=2 ... --resume auto` (--max-restarts N: another
+limit) with one worker SIGKILLed
 after a checkpoint exists. The job must finish (status 0) with its final checkpoint, its restart
 resuming the newest checkpoint at the kill or a later one, within a bounded time (a job past
 RESTART_LIMIT_S counts as hung); the rank whose peer was killed must say so in its one line (exit
@@ -27,7 +28,7 @@ from .reading import (
 RESTART_STEPS, RESTART_INTERVAL, RESTART_LIMIT_S = 120, 10, 240
 
 
-def restart_trial(workspace: Workspace, index: int, seed: int) -> dict:
+def restart_trial(workspace: Workspace, index: int, seed: int, max_restarts: int = 2) -> dict:
     rng = random.Random(f"{seed}:restarts:{index}")
     victim_rank, delay_s = index % 2, rng.uniform(0.0, 2.0)
     trial_dir = workspace.directory(f"restart{index}")
@@ -35,7 +36,8 @@ def restart_trial(workspace: Workspace, index: int, seed: int) -> dict:
     overrides = ["parallel.tp=2", f"checkpoint.interval={RESTART_INTERVAL}", "train.log_every=20",
                  # a restarted rank that cannot meet its peers fails after this, not torch's 30 minutes
                  "train.collective_timeout_s=20"]
-    argv = train_argv(workspace, out_dir, RESTART_STEPS, overrides, procs=2, resume="auto", max_restarts=2)
+    argv = train_argv(workspace, out_dir, RESTART_STEPS, overrides, procs=2, resume="auto",
+                      max_restarts=max_restarts)
     result = {"index": index, "victim_rank": victim_rank, "delay_s": round(delay_s, 3),
               "reproduce": f"python3 tools/fault_drill.py restarts --seed {seed} --trial {index}"}
     running = Running(workspace, argv, trial_dir / "job")
@@ -60,7 +62,8 @@ def restart_trial(workspace: Workspace, index: int, seed: int) -> dict:
     seen = tracebacks(finished, killed_on_purpose=True)
     # The peer of the killed rank, before the restart: one line that names the restart torchrun makes next.
     survivors = survivors_said(finished, [1 - victim_rank],
-                               restart="torchrun now restarts every rank (restart 1 of --max-restarts=2)")
+                               restart=f"torchrun now restarts every rank (restart 1 of "
+                                       f"--max-restarts={max_restarts})")
     result.update(
         outcome="hung" if finished.hung else ("recovered" if recovered else "not recovered"),
         newest_at_kill=str(newest_at_kill), resumed_from=str(report.loaded) if report.loaded else None,
@@ -78,7 +81,7 @@ def run_part(workspace: Workspace, args) -> dict:
     indices = [args.trial] if args.trial is not None else list(range(args.jobs))
     trials = []
     for index in indices:
-        trial = restart_trial(workspace, index, args.seed)
+        trial = restart_trial(workspace, index, args.seed, args.max_restarts)
         trials.append(trial)
         print(f"  restart {index} | killed rank {trial['victim_rank']} | {trial['outcome']} | resumed "
               f"{trial.get('resumed_from')} | worker failures {trial.get('worker_failures')} | "
@@ -94,7 +97,7 @@ def run_part(workspace: Workspace, args) -> dict:
              "lost_a_restart": sum(t["lost_restart"] for t in counted),
              "raw_traceback_jobs": sum(bool(t["raw_tracebacks"]) for t in counted),
              "survivor_not_one_line": sum(not t["survivor_one_line"] for t in counted),
-             "collective_timeout_s": 20,
+             "collective_timeout_s": 20, "max_restarts": args.max_restarts,
              "wall_s": [t["job"]["wall_s"] for t in counted]}
     line = (f"restarts | jobs {tally['jobs']} | recovered {tally['recovered']} | hung {tally['hung']} | "
             f"lost a restart {tally['lost_a_restart']} | raw tracebacks {tally['raw_traceback_jobs']} | "

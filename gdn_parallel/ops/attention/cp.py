@@ -2,8 +2,10 @@
 
 Sliding window: the previous window-1 keys and values (after RoPE) of the same document arrive as
 a halo from as many previous ranks as needed; their gradients go back. Flows forward only, so it
-keeps the relay's wavefront. Full causal attention all-gathers K and V (lockstep, and the last rank
-does the most work under a contiguous split; a balanced layout is a later step).
+keeps the relay's wavefront. The keys always have the same length: the halo sits in a fixed number
+of slots before the shard's own keys, and slots it does not fill hold keys of no document.
+Full causal attention all-gathers K and V (lockstep, and the last rank does the most work under a
+contiguous split; a balanced layout is a later step).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from gdn_kernels.host_index import on_device
 from ...comm.context import CPContext
 from ...comm.halo import exchange_halo
 from ...comm.p2p import all_gather, tie
+from .block_mask import BLOCK
 from .masked import masked_attention
 
 
@@ -34,11 +37,27 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
     else:
         kv_local = torch.cat([k, v], dim=-1)
         halo, token = exchange_halo(cp, kv_local, window - 1, q)
-        kv = kv_local if halo is None else torch.cat([halo, kv_local], dim=1)
-        h = 0 if halo is None else halo.shape[1]
-        k_index = torch.arange(cp.start - h, cp.end, device=device)
-        k_doc = torch.cat([torch.full((h,), cp.doc_of(cp.start), device=device), q_doc])
+        kv, k_index, k_doc = _fixed_halo_keys(cp, kv_local, halo, window - 1, q_doc)
     k_ext, v_ext = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     o = masked_attention(q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc,
                          window=window, scale=scale, impl=impl, memo=memo)
     return tie(o, token)
+
+
+def _fixed_halo_keys(cp: CPContext, kv_local: torch.Tensor, halo: torch.Tensor | None, width: int,
+                     q_doc: torch.Tensor):
+    """Keys [halo slots | the shard's own] with their global indices and documents. The received halo
+    is as long as the document reaching over the boundary allows (0 at a document start, at rank 0),
+    so its length changes from row to row; the compiled FlexAttention would compile again for every
+    new key length (a step 2-4x the others, at random). Instead the halo fills the last of
+    `width` rounded up to whole key tiles, and the free slots hold zero keys of document -1, which
+    no query attends; whole tiles also keep the shard's own keys aligned with the query tiles."""
+    slots = -(-width // BLOCK) * BLOCK
+    h = 0 if halo is None else halo.shape[1]
+    free = kv_local.new_zeros(kv_local.shape[0], slots - h, *kv_local.shape[2:])
+    kv = torch.cat([free, kv_local] if halo is None else [free, halo, kv_local], dim=1)
+    device = kv_local.device
+    k_index = torch.arange(cp.start - slots, cp.end, device=device)
+    k_doc = torch.cat([torch.full((slots - h,), -1, dtype=q_doc.dtype, device=device),
+                       torch.full((h,), cp.doc_of(cp.start), dtype=q_doc.dtype, device=device), q_doc])
+    return kv, k_index, k_doc
