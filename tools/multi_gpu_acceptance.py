@@ -242,7 +242,9 @@ def table(paths: list[Path]) -> str:
             rows.append(f"| {r['config']}: {r['steps']} steps, async save after step {r['save_after_step']}, "
                         f"resumed | {r['gpus']} | {r['device']} | {verdict} | median {t['median_s']:.2f} s, "
                         f"worst x{t['worst_over_median']} (step {t['worst_step']}), after the save "
-                        f"x{t['after_save_over_median']}; resumed bit for bit: {r['resume_bitwise']} |")
+                        f"x{t['after_save_over_median']} (every step within {STEADY_BOUND:.0%}: "
+                        f"{'yes' if r['steady_within_bound'] else 'no'}); resumed bit for bit: "
+                        f"{r['resume_bitwise']} |")
         else:
             t = r["tally"]
             rows.append(f"| restart drill: torchrun --max-restarts=1, a rank SIGKILLed | 2 | {r['device']} | "

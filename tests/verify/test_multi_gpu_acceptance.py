@@ -1,0 +1,65 @@
+"""tools/multi_gpu_acceptance.py's arithmetic (the legs themselves need GPUs, or run as --smoke): the
+step-time table from metrics records, the verify halves cover the default set once, the markdown
+table reads every leg."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import multi_gpu_acceptance as acceptance  # noqa: E402
+
+
+def _records(times, compiled=None, saving=()):
+    compiled = compiled or {}
+    return [{"step": s, "interval_s": t, "interval_steps": 1, "tokens_per_s": 1000 / t,
+             **({"compiled": compiled[s]} if s in compiled else {}), **({"saving": True} if s in saving else {})}
+            for s, t in enumerate(times)]
+
+
+def test_step_table_names_the_worst_step_and_the_one_after_the_save():
+    records = _records([40.0, 5.0, 2.0, 2.2, 1.8, 3.0, 2.0], compiled={0: {"graphs": 1}, 5: {"graphs": 1}},
+                       saving=(5, 6))
+    table = acceptance.step_table(records, save_after=4)
+    assert table["median_s"] == 2.0                    # of steps 2..6: 2.0, 2.2, 1.8, 3.0, 2.0
+    assert (table["worst_step"], table["worst_over_median"]) == (5, 1.5)
+    assert (table["after_save_step"], table["after_save_over_median"]) == (5, 1.5)
+    assert table["compiled"] == {"0": {"graphs": 1}, "5": {"graphs": 1}} and table["saving"] == [5, 6]
+    assert table["tokens_per_s_median"] == 500
+
+
+def test_a_log_interval_of_several_steps_is_not_a_step_time():
+    records = _records([40.0, 5.0, 2.0, 2.0])
+    records[3]["interval_steps"] = 2
+    assert list(acceptance.step_table(records, save_after=1)["step_s"]) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_the_verify_halves_cover_the_default_set_once(gpus):
+    whole = acceptance.verify_layouts(gpus, "1/1")
+    halves = acceptance.verify_layouts(gpus, "1/2") + acceptance.verify_layouts(gpus, "2/2")
+    assert halves == whole and len(whole) == len(set(whole)) and whole
+    assert acceptance.verify_layouts(gpus, None) == []   # no part: gdn-verify's own default set
+
+
+def test_the_table_has_a_row_per_leg(tmp_path):
+    legs = {
+        "verify": {"leg": "verify", "gpus": 2, "device": "H100", "passed": True, "part": None,
+                   "layouts": [{"name": "dp2,ddp", "status": "pass"}, {"name": "tp4", "status": "skipped"}]},
+        "long": {"leg": "long", "gpus": 2, "device": "H100", "passed": False, "config": "c.yaml", "steps": 8,
+                 "save_after_step": 3, "steady_within_bound": False, "resume_bitwise": True,
+                 "steps_table": acceptance.step_table(_records([9.0, 3.0, 3.0, 3.0, 6.0, 3.0]), 3)},
+        "drill": {"leg": "drill", "gpus": 2, "device": "H100", "passed": True,
+                  "tally": {"recovered": 2, "jobs": 2}},
+    }
+    paths = []
+    for name, leg in legs.items():
+        paths.append(tmp_path / f"leg_{name}.json")
+        paths[-1].write_text(json.dumps(leg))
+    rows = acceptance.table(paths).splitlines()[2:]
+    assert len(rows) == 3
+    assert "1 layouts pass" in rows[0] and "| pass |" in rows[0]
+    assert "worst x2.0 (step 4)" in rows[1] and "within 15%: no" in rows[1] and "| FAIL |" in rows[1]
+    assert "recovered 2 of 2" in rows[2]
