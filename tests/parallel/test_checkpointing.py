@@ -53,18 +53,20 @@ def count_messages(rank, world, algorithm):
     forward received, so the messages sent (and all-gathers run) are the same in number."""
     import torch.distributed as dist
 
+    from gdn_parallel.comm import links
     from gdn_parallel.config import ParallelConfig
     from gdn_parallel.parallel.mesh import build_mesh
     from gdn_parallel.parallel.parallelize import parallelize
 
     counts = {}
-    for name in ("isend", "irecv", "recv", "all_gather"):
-        original = getattr(dist, name)
+    # every hand-over goes through comm.links (its P2P ops), the all-gathers through torch
+    for module, name in ((links, "isend"), (links, "irecv"), (dist, "all_gather")):
+        original = getattr(module, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
             return _original(*args, **kwargs)
-        setattr(dist, name, counted)
+        setattr(module, name, counted)
     config = ParallelConfig(cp=2, cp_algorithm=algorithm)
     dims = build_mesh(config, "cpu")
     seen, grads = [], []
@@ -92,19 +94,18 @@ def sends_own_their_bytes(rank, world, algorithm):
     finished; one that viewed a larger storage (a conv halo is the last rows of the whole conv
     input) kept that storage alive past the checkpointed forward: every layer's conv inputs on the
     first CP rank, +10 GB at 64K tokens per rank on an H200."""
-    import torch.distributed as dist
-
+    from gdn_parallel.comm import links
     from gdn_parallel.config import ParallelConfig
     from gdn_parallel.parallel.mesh import build_mesh
     from gdn_parallel.parallel.parallelize import parallelize
 
     sends = []
-    original = dist.isend
+    original = links.isend   # every hand-over's send
 
     def recorded(tensor, *args, **kwargs):
         sends.append((tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()))
         return original(tensor, *args, **kwargs)
-    dist.isend = recorded
+    links.isend = recorded
     config = ParallelConfig(cp=2, cp_algorithm=algorithm)
     seed_torch(0)
     model = parallelize(HybridLM(model_config()).double(), build_mesh(config, "cpu"), config,
