@@ -15,7 +15,8 @@ import multi_gpu_acceptance as acceptance  # noqa: E402
 def _records(times, compiled=None, saving=()):
     compiled = compiled or {}
     return [{"step": s, "interval_s": t, "interval_steps": 1, "tokens_per_s": 1000 / t,
-             **({"compiled": compiled[s]} if s in compiled else {}), **({"saving": True} if s in saving else {})}
+             **({"compiled": compiled[s]} if s in compiled else {}),
+             **({"saving": True} if s in saving else {})}
             for s, t in enumerate(times)]
 
 
