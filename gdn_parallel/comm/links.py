@@ -50,11 +50,8 @@ def connect_neighbours(rank_lists: Sequence[Sequence[int]], groups: Sequence[dis
 
 def _warm_up(a: int, b: int, group: dist.ProcessGroup, device: torch.device) -> None:
     """One small batched exchange: NCCL makes the pair's communicator here, not in the first step."""
-    probe = torch.zeros(1, device=device)
     me, peer = (a, b) if dist.get_rank() == a else (b, a)
-    op = dist.isend if me == a else dist.irecv
-    for work in dist.batch_isend_irecv([dist.P2POp(op, probe, peer, group)]):
-        work.wait()
+    batched_p2p(dist.isend if me == a else dist.irecv, torch.zeros(1, device=device), peer, group).wait()
 
 
 def link(peer: int) -> dist.ProcessGroup | None:
@@ -74,9 +71,14 @@ def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None):
     return _p2p(dist.irecv, tensor, peer, group)
 
 
+def batched_p2p(op, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup):
+    """One send or receive (`op`: dist.isend or dist.irecv) with global rank `peer` as a batch of its
+    own: it runs on `group`'s communicator, where an unbatched op would make a two-rank one."""
+    return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)])[0]
+
+
 def _p2p(op, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None):
     pair_group = link(peer)
     if pair_group is None:
         return op(tensor, peer, group=group)
-    works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, pair_group)])
-    return works[0]
+    return batched_p2p(op, tensor, peer, pair_group)

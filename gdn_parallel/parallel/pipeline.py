@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import sends_finished
+from ..comm.links import batched_p2p
 from ..config import ConfigError, ModelConfig, ParallelConfig
 from ..model.build import part_names
 from ..model.hybrid_lm import Block, HybridLM, mixer_flops_per_token
@@ -444,8 +445,7 @@ class PipelineRunner:
         """Send to or receive from `stage`'s rank and wait. Batched, as the schedules' own P2P ops are, so
         it runs on the pp group's communicator (an unbatched op would make a two-rank NCCL communicator
         of its own at the first evaluation, and warn on every rank)."""
-        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, self._global_rank(stage), self.pp_group)]):
-            work.wait()
+        batched_p2p(op, tensor, self._global_rank(stage), self.pp_group).wait()
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Any], label_normalizer: float) -> torch.Tensor:

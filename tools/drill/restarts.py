@@ -1,9 +1,9 @@
-"""Part 4: `torchrun --max-restarts=2 --nproc_per_node=2 ... --resume auto` (--max-restarts N: another
-limit) with one worker SIGKILLed
-after a checkpoint exists. The job must finish (status 0) with its final checkpoint, its restart
-resuming the newest checkpoint at the kill or a later one, within a bounded time (a job past
-RESTART_LIMIT_S counts as hung); the rank whose peer was killed must say so in its one line (exit
-status 5) with the restart torchrun makes next, not in a traceback."""
+"""Part 4: `torchrun --max-restarts=2 --nproc_per_node=2 ... --resume auto` (`--max-restarts N` sets
+another limit) with one worker SIGKILLed after a checkpoint exists. The job must finish (status 0)
+with its final checkpoint, its restart resuming the newest checkpoint at the kill or a later one,
+within a bounded time (a job past RESTART_LIMIT_S counts as hung); the rank whose peer was killed
+must say so in its one line (exit status 5) with the restart torchrun makes next, not in a
+traceback."""
 from __future__ import annotations
 
 import os
