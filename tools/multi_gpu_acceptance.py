@@ -167,6 +167,27 @@ def _tokens_per_step(record: dict) -> float:
     return record["tokens_per_s"] * record["interval_s"]
 
 
+def document_layout(config: str, data: Path, steps: int, ranks: int) -> dict:
+    """Per step, each context-parallel rank's share of the sequence: [documents or pieces of them, the
+    longest, the first, the last, in tokens]. A document that runs across ranks is walked rank after
+    rank by the state relay: its pieces (a rank's last, the next rank's first) are on the critical path."""
+    from gdn_parallel.config import Config
+    from gdn_parallel.data.stream import TokenBatches
+    cfg = Config.from_yaml(REPO / config, [f"data.source={data}"])
+    stream = TokenBatches.from_config(cfg.data, cfg.train.seq_len, 1)
+    share = cfg.train.seq_len // ranks
+    layout = {}
+    for step in range(steps):
+        per_rank = []
+        for rank in range(ranks):
+            start = step * cfg.train.seq_len + rank * share
+            pieces = stream._order.span(start, start + share)
+            lengths = pieces.ends - pieces.begins
+            per_rank.append([int(lengths.size), int(lengths.max()), int(lengths[0]), int(lengths[-1])])
+        layout[str(step)] = per_rank
+    return layout
+
+
 def leg_long(args, n: int, out: Path) -> dict:
     config = "configs/tiny-cpu.yaml" if args.smoke else LONG_CONFIGS[n]
     data = documents(out, args)
@@ -196,6 +217,7 @@ def leg_long(args, n: int, out: Path) -> dict:
     return {"config": config, "gpus": n, "steps": args.steps, "save_after_step": args.save_after,
             "first": first, "resumed": resumed, "startup": startup, "end_of_run_s": end_s,
             "summary": summary, "steps_table": table, "steady_within_bound": steady_ok,
+            "documents_per_rank": None if args.smoke else document_layout(config, data, args.steps, n),
             "losses": {str(s): losses[s] for s in sorted(losses)},
             "resumed_losses": {str(s): losses_again[s] for s in sorted(losses_again)},
             "resumed_steps_compared": compared, "resume_bitwise": bitwise,

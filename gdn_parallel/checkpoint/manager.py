@@ -29,6 +29,7 @@ from ..config import Config
 from ..parallel.mesh import MESH_DIMS
 from . import files, integrity, ranks
 from .errors import CheckpointWriteError
+from .staging import AlreadyStaged, HostStaging
 from .state import state_to_save
 
 FORMAT_VERSION = 1
@@ -121,6 +122,7 @@ class CheckpointSaver:
         # own too: on the training group (NCCL) the flag would be a CUDA tensor read back every step, a
         # wait for the whole queued step while the save is in flight.
         self._poll_group = dist.new_group(backend="gloo", timeout=timeout or None) if several else None
+        self._staging = HostStaging()
 
     def save(self, step: int, named_params: list[tuple[str, nn.Parameter]], optimizer, dims, config: Config,
              data_stream: dict[str, Any], **extra: Any) -> Path:
@@ -129,20 +131,22 @@ class CheckpointSaver:
         position (the same on every rank); extra: more trainer_state.json entries."""
         self.finish()  # one save in flight at a time
         partial = files.partial_path(self.out_dir, step)
-        state = state_to_save(named_params, optimizer, dims)
+        state = state_to_save(named_params, optimizer, dims)   # gathers, where any, are collectives
         record = checkpoint_record(step, config, ranks.world(), data_stream, **extra)
 
-        def start() -> None:
+        def start() -> dict:
             if ranks.rank() == 0:
                 if partial.exists():  # an earlier, interrupted save of this step: none of its files may stay
                     shutil.rmtree(partial)
                 partial.mkdir(parents=True)
             ranks.barrier()
             torch.save(rng_state(), partial / f"rng_rank{ranks.rank()}.pt")
-        self._agree(step, start)
+            return self._staging.stage(state)   # a failure here (host memory) fails every rank's save
+        state = self._agree(step, start)
         try:
             if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group)
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group,
+                                        **_staged_keyword())
                 self._pending = (future, step, record, config)
                 return files.final_path(self.out_dir, step)
             dcp.save(state, checkpoint_id=str(partial))
@@ -216,6 +220,14 @@ class CheckpointSaver:
                else "there is no earlier checkpoint"))
 
 
+
+
+def _staged_keyword() -> dict:
+    """dcp.async_save's keyword that skips its own staging (the state is on the host already), where
+    this torch has it."""
+    import inspect
+    takes_stager = "async_stager" in inspect.signature(dcp.async_save).parameters
+    return {"async_stager": AlreadyStaged()} if takes_stager else {}
 
 
 def _checkpoint_bytes(out_dir: str) -> int:

@@ -1,20 +1,26 @@
 """The model and optimizer state of a rank in a layout-free form, for torch.distributed.checkpoint.
 
 Every tensor is saved under its name in the single-device model (`model.<name>`, and
-`optim.<name>.<state>` for AdamW's moments and step), with the global shape it has there:
+`optim.<name>.<state>` for AdamW's moments and step), with the global shape it has there, as a
+DTensor over the rank's (tp, dp, cp) mesh whose placements say where its piece lies, in the order
+the piece was cut:
 
-- FSDP2 shards over dp are gathered to the tensor-parallel piece (one parameter at a time);
-- tensor-parallel pieces (parameters marked `_tp_shard_dim`) become DTensors sharded over the tp
-  mesh, so the checkpoint records their global shape and each piece's offset;
-- pipeline stages save only their own parameters (names are the full model's);
-- replicas (dp, cp, and tp for replicated parameters) hold the same values; DCP writes them once.
+- tp: tensor-parallel pieces (parameters marked `_tp_shard_dim`) are Shard(that dim);
+- dp: FSDP2's shards of the tp piece are Shard(0), as FSDP2 cut them (torch.chunk's rule, DTensor's);
+- replicas (dp under DDP, cp always): each replica writes its own share of dim 0, so that no rank
+  copies more than its share to the host. Gathering whole tensors on every rank instead held the
+  whole model and its AdamW moments a rank (16 GiB at h1-1.3b) on the GPU and then on the host.
+A replica split that would leave some rank no rows is not made (DCP writes that tensor once); a
+tensor FSDP2 left some rank no rows of is gathered to its tp piece. Pipeline stages save only their
+own parameters (names are the full model's).
 
-Loading builds the same form for the current layout and lets DCP read each rank's pieces: a
-checkpoint saved under one layout loads under any other.
+Loading asks for the rank's whole piece (replicas Replicate) and lets DCP read it from whatever
+pieces were saved: a checkpoint saved under one layout loads under any other.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,45 +30,172 @@ from ..parallel.tensor import tp_shard_dim
 MODEL, OPTIM = "model.", "optim."
 
 
-def _tp_mesh(dims):
-    return dims.mesh["tp"] if dims is not None and dims.config.tp > 1 else None
-
-
-def _gathered(t: torch.Tensor) -> torch.Tensor:
-    """The rank's whole tensor-parallel piece of an FSDP2-sharded tensor (a collective over its mesh)."""
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _layout_free(piece: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
-    dim = tp_shard_dim(param)
-    if dim is None or tp_mesh is None:
-        return piece
-    from torch.distributed.tensor import DTensor, Shard
-    return DTensor.from_local(piece, tp_mesh, [Shard(dim)], run_check=False)
-
-
 def _slots(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> Iterator[tuple[str, torch.Tensor]]:
     for name, value in sorted(optimizer.state.get(param, {}).items()):
         if isinstance(value, torch.Tensor):
             yield name, value
 
 
-def state_to_save(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
-                  dims) -> dict[str, torch.Tensor]:
-    """This rank's part of the checkpoint: every parameter and optimizer slot in layout-free form."""
-    if optimizer is not None:
-        _check_optimizer_covers(named_params, optimizer)
-    tp_mesh = _tp_mesh(dims)
-    state: dict[str, torch.Tensor] = {}
+def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of piece `index` of `length` cut in `parts` by torch.chunk's rule (DTensor's)."""
+    size = -(-length // parts)
+    offset = min(size * index, length)
+    return offset, max(0, min(length, offset + size) - offset)
+
+
+def _cuts_whole(length: int, parts: int) -> bool:
+    """Whether torch.chunk's rule gives every one of `parts` pieces at least one row."""
+    return parts == 1 or -(-length // parts) * (parts - 1) < length
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where this rank's piece of one tensor lies: per mesh dim (tp, dp, cp) the tensor dim it is
+    sharded on (None: replicated); `fsdp` whether dp's shard is FSDP2's own (else a save split)."""
+    tp: int | None
+    dp: int | None
+    cp: int | None
+    fsdp: bool
+
+
+MESH_ORDER = ("tp", "dp", "cp")   # the order the pieces are cut in: tp, then FSDP2 (dp), then the save
+
+
+class _Layout:
+    """The rank's (tp, dp, cp) mesh and degrees; `mesh` None for one process."""
+
+    def __init__(self, dims):
+        self.mesh, self.dims = None, dims
+        if dims is None or dims.mesh.size() == 1:
+            return
+        self.mesh = _cut_order_mesh(dims)
+        self.degrees = {name: self.mesh.size(i) for i, name in enumerate(MESH_ORDER)}
+        self.coords = dict(zip(MESH_ORDER, self.mesh.get_coordinate()))
+
+    def placement(self, value: torch.Tensor, param: nn.Parameter) -> _Placement | None:
+        """How `value` (the parameter or a slot of it) is saved as it lies; None: gathered."""
+        from torch.distributed.tensor import DTensor
+        shape = _global_shape(value, param, self.degrees["tp"])
+        tp = tp_shard_dim(param) if self.degrees["tp"] > 1 else None
+        rows = shape[0] // self.degrees["tp"] if tp == 0 else shape[0]   # dim 0 of the tp piece
+        fsdp = isinstance(value, DTensor) and self.degrees["dp"] > 1
+        if fsdp and not _cuts_whole(rows, self.degrees["dp"]):
+            return None   # FSDP2 left a rank an empty shard: DCP gets the gathered tp piece
+        dp = 0 if fsdp or _cuts_whole(rows, self.degrees["dp"]) else None
+        dp_pieces = range(self.degrees["dp"]) if dp == 0 else ()
+        pieces = [_chunk(rows, self.degrees["dp"], i)[1] for i in dp_pieces] or [rows]
+        cp = 0 if all(_cuts_whole(n, self.degrees["cp"]) for n in pieces) else None
+        return _Placement(tp, dp, cp, fsdp)
+
+    def save_form(self, value: torch.Tensor, param: nn.Parameter, where: _Placement) -> torch.Tensor:
+        """The rank's share of `value` as a DTensor: its piece, cut further along the replica splits
+        (views, no copy)."""
+        piece = _local(value)
+        for name in ("dp", "cp"):
+            if getattr(where, name) is None or (name == "dp" and where.fsdp):
+                continue
+            offset, length = _chunk(piece.shape[0], self.degrees[name], self.coords[name])
+            piece = piece.narrow(0, offset, length)
+        return self._dtensor(piece, value, param, where)
+
+    def load_form(self, value: torch.Tensor, param: nn.Parameter, where: _Placement) -> torch.Tensor:
+        """A buffer for the rank's whole piece of `value` (replicas read it all)."""
+        whole = _Placement(where.tp, 0 if where.fsdp else None, None, where.fsdp)
+        return self._dtensor(_local(value).clone(), value, param, whole)
+
+    def _dtensor(self, piece, value, param, where: _Placement):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        shape = _global_shape(value, param, self.degrees["tp"])
+        placements = [Replicate() if getattr(where, name) is None else Shard(getattr(where, name))
+                      for name in MESH_ORDER]
+        return DTensor.from_local(piece, self.mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=_contiguous_stride(shape))
+
+
+def _cut_order_mesh(dims):
+    """The rank's (tp, dp, cp) mesh, from the existing groups (no new communicator): DTensor cuts
+    along its mesh dims in order, and the pieces are cut tp first (the layer splits), then by FSDP2
+    over dp, then by the save over the replicas; mesh slicing keeps the parent's order (pp, dp, cp, tp)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = dims.mesh
+    names = list(mesh.mesh_dim_names)
+    coord = mesh.get_coordinate()
+    index = tuple(slice(None) if name in MESH_ORDER else coord[i] for i, name in enumerate(names))
+    kept = [name for name in names if name in MESH_ORDER]
+    ranks = mesh.mesh[index].permute(*[kept.index(name) for name in MESH_ORDER]).contiguous()
+    return DeviceMesh.from_group([mesh.get_group(name) for name in MESH_ORDER], mesh.device_type, mesh=ranks,
+                                 mesh_dim_names=MESH_ORDER)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _global_shape(value: torch.Tensor, param: nn.Parameter, tp: int) -> tuple[int, ...]:
+    """The shape in the single-device model: FSDP2's DTensor knows its tp piece's shape; tp pieces
+    are equal (the layer splits check it), so the whole is tp of them."""
+    shape = list(value.shape)
+    dim = tp_shard_dim(param) if tp > 1 else None
+    if dim is not None:
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def _gathered(value: torch.Tensor) -> torch.Tensor:
+    """The rank's whole tensor-parallel piece of an FSDP2-sharded tensor (a collective over its mesh)."""
+    from torch.distributed.tensor import DTensor
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _tp_form(piece: torch.Tensor, param: nn.Parameter, layout: _Layout) -> torch.Tensor:
+    """A gathered tp piece as a DTensor over tp (replicated over dp and cp: DCP writes it once)."""
+    dim = tp_shard_dim(param)
+    if layout.mesh is None or dim is None or layout.degrees["tp"] == 1:
+        return piece
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor.from_local(piece, layout.dims.mesh["tp"], [Shard(dim)], run_check=False)
+
+
+def _tensors(named_params, optimizer) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
+    """(checkpoint key, tensor, its parameter) for every parameter and optimizer slot of the rank."""
     for name, param in named_params:
-        state[MODEL + name] = _layout_free(_gathered(param.detach()), param, tp_mesh)
+        yield MODEL + name, param.detach(), param
         if optimizer is not None:
             for slot, value in _slots(optimizer, param):
-                scalar = value.dim() == 0
-                value = value if scalar else _layout_free(_gathered(value), param, tp_mesh)
-                state[f"{OPTIM}{name}.{slot}"] = value
+                yield f"{OPTIM}{name}.{slot}", value, param
+
+
+def _forms(named_params, optimizer, dims, load: bool) -> dict[str, torch.Tensor]:
+    layout = _Layout(dims)
+    state: dict[str, torch.Tensor] = {}
+    for key, value, param in _tensors(named_params, optimizer):
+        if value.dim() == 0:                       # AdamW's step: the same on every rank
+            state[key] = value
+            continue
+        where = None if layout.mesh is None else layout.placement(value, param)
+        if where is not None:
+            state[key] = (layout.load_form if load else layout.save_form)(value, param, where)
+        else:
+            state[key] = _tp_form(_gathered(value), param, layout)
     return state
+
+
+def state_to_save(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+                  dims) -> dict[str, torch.Tensor]:
+    """This rank's share of the checkpoint: every parameter and optimizer slot in layout-free form,
+    views of the rank's tensors (no copy) except where a tensor is gathered (module docstring)."""
+    if optimizer is not None:
+        _check_optimizer_covers(named_params, optimizer)
+    return _forms(named_params, optimizer, dims, load=False)
 
 
 def _check_optimizer_covers(named_params: list[tuple[str, nn.Parameter]],
@@ -82,30 +215,29 @@ def _check_optimizer_covers(named_params: list[tuple[str, nn.Parameter]],
 
 def targets_to_load(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
                     dims) -> dict[str, torch.Tensor]:
-    """Buffers of the layout-free form for this rank, for DCP to fill (their values are overwritten)."""
+    """Buffers of the layout-free form for this rank's whole pieces, for DCP to fill: copies (the
+    rank's tensors change only in apply_loaded), or views of them for one process."""
     if optimizer is not None:
         ensure_optimizer_state(optimizer)
-    return state_to_save(named_params, optimizer, dims)  # copies: gathered pieces, or fresh DTensor views
+    return _forms(named_params, optimizer, dims, load=True)
 
 
 @torch.no_grad()
 def apply_loaded(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
                  loaded: dict[str, torch.Tensor]) -> None:
-    """Copy what DCP read into the parameters and optimizer slots of this rank (its own shards)."""
-    for name, param in named_params:
-        _copy_into(param, loaded[MODEL + name])
-        if optimizer is not None:
-            for slot, value in _slots(optimizer, param):
-                _copy_into(value, loaded[f"{OPTIM}{name}.{slot}"])
+    """Copy what DCP read into the parameters and optimizer slots of this rank (its own pieces)."""
+    for key, value, _param in _tensors(named_params, optimizer):
+        _copy_into(value, loaded[key])
 
 
 def _copy_into(destination: torch.Tensor, source: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
     if isinstance(source, DTensor):
         source = source.to_local()
-    if isinstance(destination, DTensor):  # FSDP2: keep this rank's shard of the piece
-        source = distribute_tensor(source.to(destination.device), destination.device_mesh,
-                                   destination.placements, src_data_rank=None).to_local()
+    if isinstance(destination, DTensor):
+        if destination.to_local().shape != source.shape:   # a gathered tp piece: keep this rank's shard
+            source = distribute_tensor(source.to(destination.device), destination.device_mesh,
+                                       destination.placements, src_data_rank=None).to_local()
         destination = destination.to_local()
     destination.copy_(source.to(destination.device, destination.dtype))
 

@@ -84,6 +84,14 @@ def memory_bytes(device: torch.device) -> int:
         return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def alloc_retries(device: torch.device) -> int:
+    """How often this process's CUDA allocator has freed its cache to retry an allocation that found no
+    free block (each costs a device sync and new mappings: a slow step); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     hours, rest = divmod(seconds, 3600)
@@ -308,6 +316,11 @@ class ProgressLogger:
         elif compiled and len(self.records) > 2:   # past start-up, a compilation is news: it slowed this line
             self.say(f"note  | step {step}: {describe_compiled(compiled)} since the last line "
                      f"(seconds of this interval)")
+        if record.get("alloc_retries"):
+            retries = record["alloc_retries"]
+            self.say(f"note  | step {step}: the CUDA allocator freed its cache {retries} time(s) "
+                     f"since the last line to find memory (slow steps): memory is near full; lower "
+                     f"train.microbatch_size or turn on train.activation_checkpointing")
         self._emit(record)
         self._update_bar(step, force=True)
         if not math.isfinite(record["loss"]):

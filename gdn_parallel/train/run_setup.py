@@ -37,7 +37,7 @@ from .evaluation import validation_text_bytes
 from .memory_model import PREDICTION_ERROR, predict_peak, settings_that_fit
 from .optim import autocast_dtype, build_optimizer
 from .profiling import StepProfiler
-from .progress import ProgressLogger, ProgressSettings, peak_flops_per_s
+from .progress import ProgressLogger, ProgressSettings, alloc_retries, peak_flops_per_s
 from .run_state import ModelSize, RunState, Validation
 from .schedule import check_resumed_schedule, schedule_from_config
 
@@ -297,12 +297,17 @@ def _progress_logger(run: RunState, resumed: bool) -> ProgressLogger:
 
 
 def _line_extras(run: RunState) -> dict:
-    """What a step line records besides its numbers: compilations since the last line, and whether an
-    asynchronous checkpoint was still being written (either explains a slow interval)."""
+    """What a step line records besides its numbers: compilations since the last line, rank 0's CUDA
+    allocator retries since the last line, and whether an asynchronous checkpoint was still being
+    written (each explains a slow interval)."""
     extras = {}
     compiled = run.compile_watch.take()
     if compiled:
         extras["compiled"] = compiled
+    retries = alloc_retries(run.device)
+    if retries > run.alloc_retries_seen:
+        extras["alloc_retries"] = retries - run.alloc_retries_seen
+        run.alloc_retries_seen = retries
     if run.beside_save:
         extras["saving"] = True
         run.beside_save = False

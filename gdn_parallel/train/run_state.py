@@ -58,6 +58,7 @@ class RunState:
     val_loss: float | None = None       # of the last evaluation
     compile_watch: CompileWatch = field(default_factory=CompileWatch)   # what each progress line compiled
     beside_save: bool = False           # a step since the last line ran beside a background save
+    alloc_retries_seen: int = 0         # the CUDA allocator's retries counted at the last line
 
     @property
     def tokens_per_step(self) -> int:

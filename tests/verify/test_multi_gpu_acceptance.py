@@ -64,3 +64,27 @@ def test_the_table_has_a_row_per_leg(tmp_path):
     assert "1 layouts pass" in rows[0] and "| pass |" in rows[0]
     assert "worst x2.0 (step 4)" in rows[1] and "within 15%: no" in rows[1] and "| FAIL |" in rows[1]
     assert "recovered 2 of 2" in rows[2]
+
+
+def test_the_document_layout_cuts_each_step_into_the_ranks_shares(tmp_path, monkeypatch):
+    """Per step and CP rank: [pieces, longest, first, last] of the rank's 2048-token share."""
+    import subprocess
+    lengths = [300, 5000, 70, 9000, 1200, 40, 20000, 800]
+    source = tmp_path / "docs"
+    source.mkdir()
+    for i, n in enumerate(lengths):
+        (source / f"doc{i}.txt").write_text("ab" * (n // 2))
+    subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), str(source),
+                    "--tokenizer", "bytes", "--out", str(tmp_path / "prepared")],
+                   check=True, capture_output=True)
+    config = tmp_path / "long.yaml"
+    config.write_text("train:\n  seq_len: 8192\n  batch_size: 1\n")
+    monkeypatch.setattr(acceptance, "REPO", tmp_path)
+    layout = acceptance.document_layout("long.yaml", tmp_path / "prepared", steps=3, ranks=4)
+    assert sorted(layout) == ["0", "1", "2"]
+    for per_rank in layout.values():
+        assert len(per_rank) == 4
+        for pieces, longest, first, last in per_rank:
+            assert 1 <= pieces and max(first, last) <= longest <= 2048
+            assert pieces > 1 or first == last == longest == 2048
+            assert pieces == 1 or first + last <= 2048
