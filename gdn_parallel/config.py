@@ -592,6 +592,8 @@ class CheckpointConfig:
     async_save: bool = setting(False, "torch.distributed.checkpoint's async save: training goes on while it "
                                       "writes")
     enabled: bool = setting(True, "write checkpoints (false: none at all, for a run that is never resumed)")
+    verify: bool = setting(True, "resume only from a checkpoint with its checksums (checksums.json); false: "
+                                 "one without them is loaded unverified, with a line that says so")
 
     def validate(self, train: TrainConfig | None = None) -> None:
         _check_fields(self, "checkpoint")

@@ -52,20 +52,36 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
 
 
+def incomplete_reason(path: Path) -> str:
+    """Why step directory `path` is not a complete checkpoint ('' when it is)."""
+    missing = [name for name in (COMPLETE, TRAINER_STATE) if not (path / name).is_file()]
+    return f"no {' and no '.join(missing)}: an interrupted save, or a file deleted" if missing else ""
+
+
 def complete_checkpoints(out_dir: str) -> list[Path]:
     """Complete checkpoints under out_dir, oldest first."""
-    return [path for _, path in _complete_steps(out_dir)]
+    return [path for _, path in _steps(out_dir) if is_complete(path)]
+
+
+def step_directories(out_dir: str) -> list[Path]:
+    """Every step_<N> directory under out_dir's checkpoints, complete or not, oldest first."""
+    return [path for _, path in _steps(out_dir)]
 
 
 def _complete_steps(out_dir: str) -> list[tuple[int, Path]]:
     """(step, path) of the complete checkpoints under out_dir, oldest first."""
+    return [(step, path) for step, path in _steps(out_dir) if is_complete(path)]
+
+
+def _steps(out_dir: str) -> list[tuple[int, Path]]:
+    """(step, path) of the step_<N> directories under out_dir, oldest first."""
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
-        if match and path.is_dir() and is_complete(path):
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
 

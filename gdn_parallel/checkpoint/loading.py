@@ -64,13 +64,22 @@ def _manifest(path: Path) -> tuple[dict[str, dict] | None, str | None]:
         return None, str(err)
 
 
-def verify(path: Path, data: bool = True) -> str | None:
-    """None when checkpoint `path` matches its recorded checksums (or records none: written before
-    they existed), else what is wrong, e.g. "__1_0.distcp: checksum mismatch (...)". `data=False`
-    checks all but the tensor data files (quick: what is read before the tensors). A collective."""
+UNVERIFIED_FIX = "if you trust it, --set checkpoint.verify=false loads it unverified"
+
+
+def verify(path: Path, data: bool = True, unverified_ok: bool = False,
+           fix: str = UNVERIFIED_FIX) -> str | None:
+    """None when checkpoint `path` matches its recorded checksums, else what is wrong, e.g.
+    "__1_0.distcp: checksum mismatch (...)". A checkpoint that records none (deleted, or written
+    before checksums existed) is wrong too, unless `unverified_ok`; `fix` says how to accept it.
+    `data=False` checks all but the tensor data files (quick: what is read before the tensors). A
+    collective."""
     recorded, problem = _manifest(path)
     if problem is not None:
         return problem
+    if recorded is None and not unverified_ok:
+        return (f"{integrity.MANIFEST}: missing, so none of its files can be verified (deleted, or written "
+                f"before checkpoints had checksums); {fix}")
     return _first(_local_damage(path, recorded, data=False)) or (
         _first(_local_damage(path, recorded, data=True)) if data else None)
 
@@ -91,7 +100,7 @@ class CheckpointDamaged(CheckpointError):
         super().__init__(f"{path} fails verification: {problem}; {_alternative(Path(path))}")
 
 
-def newest_verifying(out_dir: Path, before: int | None = None) -> Path | None:
+def newest_verifying(out_dir: Path, before: int | None = None, unverified_ok: bool = False) -> Path | None:
     """The newest complete checkpoint under out_dir (older than step `before`) that verifies."""
     for path in reversed(files.complete_checkpoints(str(out_dir))):
         step = files.step_of(path)
@@ -99,17 +108,18 @@ def newest_verifying(out_dir: Path, before: int | None = None) -> Path | None:
             raise CheckpointError(f"{path} is listed as a checkpoint but is not a step_<N> directory")
         if before is not None and step >= before:
             continue
-        if verify(path) is None:
+        if verify(path, unverified_ok=unverified_ok) is None:
             return path
     return None
 
 
-def resolve_resume(resume: str | None, out_dir: str, say: Callable[[str], None] = lambda line: None
-                   ) -> Path | None:
+def resolve_resume(resume: str | None, out_dir: str, say: Callable[[str], None] = lambda line: None,
+                   unverified_ok: bool = False) -> Path | None:
     """`--resume auto`: the newest complete checkpoint under out_dir whose small files verify (None
-    when there is none yet; those that fail are passed over, said with `say`); `--resume PATH`: that
-    checkpoint, which must be complete and verify so. Its data files are verified by `load`. A
-    collective (verification)."""
+    when there is none yet; every newer step directory passed over is named with `say`, and why);
+    `--resume PATH`: that checkpoint, which must be complete and verify so. Its data files are
+    verified by `load`. `unverified_ok`: a checkpoint without checksums is taken (said with `say`).
+    A collective (verification)."""
     if not resume:
         return None
     if resume == "auto":
@@ -117,9 +127,14 @@ def resolve_resume(resume: str | None, out_dir: str, say: Callable[[str], None] 
             raise ConfigError("--resume auto looks for checkpoints under train.out_dir, which is empty; set "
                               "train.out_dir (or give --resume PATH)")
         found = files.complete_checkpoints(out_dir)
-        for path in reversed(found):
-            problem = _small_files_problem(path)
+        for path in reversed(files.step_directories(out_dir)):
+            if path not in found:
+                say(f"resume | {path} is not a complete checkpoint ({files.incomplete_reason(path)}): "
+                    f"passed over")
+                continue
+            problem = _small_files_problem(path, unverified_ok)
             if problem is None:
+                _say_if_unverified(path, say)
                 return path
             say(f"resume | {path} fails verification ({problem}): passed over")
         if found:
@@ -131,17 +146,23 @@ def resolve_resume(resume: str | None, out_dir: str, say: Callable[[str], None] 
     if not files.is_complete(path):
         raise ConfigError(f"--resume {resume}: not a complete checkpoint (no {files.COMPLETE} marker or "
                           f"{files.TRAINER_STATE}: an interrupted save?); use --resume auto or another step")
-    problem = _small_files_problem(path)
+    problem = _small_files_problem(path, unverified_ok)
     if problem is not None:
         raise CheckpointError(f"--resume {resume} fails verification: {problem}; {_alternative(path)}")
+    _say_if_unverified(path, say)
     return path
 
 
-def _small_files_problem(path: Path) -> str | None:
+def _say_if_unverified(path: Path, say: Callable[[str], None]) -> None:
+    if _manifest(path) == (None, None):
+        say(f"resume | {path} has no {integrity.MANIFEST}: loaded unverified (checkpoint.verify=false)")
+
+
+def _small_files_problem(path: Path, unverified_ok: bool = False) -> str | None:
     """What is wrong with a checkpoint's small files: checksums, then the trainer state and index read
     as resuming reads them (a forger rewrites the checksums); None when they pass. The data files are
     verified while they load."""
-    problem = verify(path, data=False)
+    problem = verify(path, data=False, unverified_ok=unverified_ok)
     if problem is not None:
         return f"{path}/{problem}"
     try:
@@ -152,12 +173,12 @@ def _small_files_problem(path: Path) -> str | None:
     return None
 
 
-def whole_problem(path: Path) -> str | None:
+def whole_problem(path: Path, unverified_ok: bool = False) -> str | None:
     """What is wrong with checkpoint `path` anywhere, None when nothing is: its small files as
     `resolve_resume` checks them, the checksums of its data files, and its RNG states and every tensor
     read as a load reads them (one at a time, without the model). For a checkpoint that would end its
     run, which nothing else reads: a damaged one must not pass for a finished run. A collective."""
-    problem = _small_files_problem(path)
+    problem = _small_files_problem(path, unverified_ok)
     if problem is not None:
         return problem
     recorded, _ = _manifest(path)
@@ -176,11 +197,12 @@ def _unreadable_share(path: Path) -> str | None:
     return unreadable_tensors(path, set(names[ranks.rank()::ranks.world()]))
 
 
-def pass_over(path: Path, problem: str, out_dir: str, say: Callable[[str], None]) -> Path:
+def pass_over(path: Path, problem: str, out_dir: str, say: Callable[[str], None],
+              unverified_ok: bool = False) -> Path:
     """Under --resume auto: say that checkpoint `path` is passed over and why, and return the newest
     earlier checkpoint that verifies (refused when there is none). A collective."""
     say(f"resume | {path} fails verification ({problem}): passed over")
-    older = newest_verifying(Path(out_dir), before=files.step_of(path))
+    older = newest_verifying(Path(out_dir), before=files.step_of(path), unverified_ok=unverified_ok)
     if older is None:
         raise nothing_verifies(out_dir)
     return older
@@ -261,10 +283,10 @@ def load(path: Path, named_params: list[tuple[str, nn.Parameter]], optimizer, di
     first made a cold load of a 1.3B checkpoint (14.8 GiB, H100 host) 20% slower, alongside 0.9%
     (docs/reliability.md). Raises CheckpointDamaged when they do not verify; what
     was loaded is then not to be used (the caller loads another checkpoint or stops)."""
-    recorded, problem = _manifest(path)
-    problem = problem or _first(_local_damage(path, recorded, data=False))
+    problem = verify(path, data=False, unverified_ok=not config.checkpoint.verify)
     if problem is not None:
         raise CheckpointDamaged(path, problem)
+    recorded, _ = _manifest(path)
     try:
         saved = read_trainer_state(path)
         check_compatible(saved, config)

@@ -73,7 +73,9 @@ def _what_it_is(path: Path) -> str:
 def tensor_entries(path: Path) -> dict[str, TensorStorageMetadata]:
     """key -> global shape and dtype of every tensor in the checkpoint, once it verifies against its
     checksums; its index is read without running code, and its data files must all exist."""
-    problem = verify(path)
+    problem = verify(path, fix="the converters read only checkpoints with checksums: resume it in the "
+                               "trainer with --set checkpoint.verify=false and convert the checkpoint it "
+                               "writes")
     if problem is not None:
         raise CheckpointError(f"{path} fails verification: {problem}; take another checkpoint")
     metadata = read_metadata(path)

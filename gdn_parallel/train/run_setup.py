@@ -134,10 +134,11 @@ def _resume_point(resume: str | None, config: Config, say) -> Path | None:
         raise ConfigError(f"train.out_dir={train.out_dir!r} already holds checkpoints (newest "
                           f"{newest.name}); continue that run with --resume auto, or start over in a new "
                           f"train.out_dir (or delete {newest.parent})")
-    checkpoint = resolve_resume(resume, train.out_dir, say)
+    unverified_ok = not config.checkpoint.verify
+    checkpoint = resolve_resume(resume, train.out_dir, say, unverified_ok)
     while checkpoint is not None and read_trainer_state(checkpoint)["step"] >= train.steps:
         # It would end the run unread: verified whole first, so that a damaged one does not pass for it.
-        problem = whole_problem(checkpoint)
+        problem = whole_problem(checkpoint, unverified_ok)
         if problem is None:
             step = read_trainer_state(checkpoint)["step"]
             raise ConfigError(f"the checkpoint {checkpoint} is at step {step} and train.steps="
@@ -146,7 +147,7 @@ def _resume_point(resume: str | None, config: Config, say) -> Path | None:
                               f"reads train.steps) to go on")
         if resume != "auto":
             raise CheckpointDamaged(checkpoint, problem)
-        checkpoint = pass_over(checkpoint, problem, train.out_dir, say)
+        checkpoint = pass_over(checkpoint, problem, train.out_dir, say, unverified_ok)
     return checkpoint
 
 
@@ -253,7 +254,8 @@ def _load(run: RunState, checkpoint: Path, resume: str | None, here: dict):
         except CheckpointDamaged as damaged:
             if resume != "auto":
                 raise
-            checkpoint = pass_over(checkpoint, damaged.problem, run.config.train.out_dir, run.say)
+            checkpoint = pass_over(checkpoint, damaged.problem, run.config.train.out_dir, run.say,
+                                   not run.config.checkpoint.verify)
 
 
 def _roll_back(out_dir: str, step: int, say) -> None:

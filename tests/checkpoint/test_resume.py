@@ -71,7 +71,7 @@ def test_resume_is_bit_exact_under_the_same_layout(tmp_path):
 
 def test_an_interrupted_save_is_never_picked(tmp_path, monkeypatch):
     # Directories that only look like checkpoints: what is tested is the completeness marker.
-    monkeypatch.setattr(checkpoint_loading, "_small_files_problem", lambda path: None)
+    monkeypatch.setattr(checkpoint_loading, "_small_files_problem", lambda path, unverified_ok=False: None)
     root = tmp_path / "checkpoints"
     for name, complete in (("step_2", True), ("step_4", False), ("step_6.partial", False)):
         (root / name).mkdir(parents=True)

@@ -2,7 +2,9 @@
 
 A pickle whose unpickling would create a marker file is planted in each file a checkpoint holds; the
 checksums are then rewritten to match (as whoever planted it could), or removed (a checkpoint from
-before checksums). Every resume is refused with the file named, and the marker never appears.
+before checksums, loaded with checkpoint.verify=false). Every resume is refused with the file named,
+and the marker never appears. Without checksums and without that flag, the checkpoint is refused
+before any of its files is read.
 Damage without forgery (flipped bytes, truncation, a missing file) fails verification naming the
 file; `--resume auto` passes over such a checkpoint, saying so, and takes the newest that verifies.
 """
@@ -53,10 +55,13 @@ def copy_run(saved: Path, tmp_path: Path) -> Path:
     return out_dir
 
 
-def refused(capsys, out_dir: Path, resume: str, steps: int = 6) -> str:
+UNVERIFIED = ("--set", "checkpoint.verify=false")
+
+
+def refused(capsys, out_dir: Path, resume: str, steps: int = 6, *extra: str) -> str:
     with warnings.catch_warnings(record=True) as warned, pytest.raises(SystemExit) as stop:
         warnings.simplefilter("always")
-        train(out_dir, steps, resume=resume)
+        train(out_dir, steps, *extra, resume=resume)
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("gdn-train: error: ") and err.count("\n") == 1, err   # one line, no traceback
@@ -82,15 +87,17 @@ def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(saved, tmp_p
         torch.save({"torch": torch.get_rng_state(), "python": Planted(marker)}, checkpoint / victim)
     else:
         (checkpoint / victim).write_bytes(pickle.dumps(Planted(marker)))
+    flags = ()
     if manifest == "forged":
         reseal(checkpoint)
     else:
         (checkpoint / integrity.MANIFEST).unlink()
-    err = refused(capsys, out_dir, str(checkpoint))
+        flags = UNVERIFIED
+    err = refused(capsys, out_dir, str(checkpoint), 6, *flags)
     assert not marker.exists(), "code from the checkpoint ran"
     assert str(checkpoint) in err and victim in err, err
     # --resume auto passes over it, saying so, to the older checkpoint; still nothing runs.
-    summary = train(out_dir, 5, resume="auto")
+    summary = train(out_dir, 5, *flags, resume="auto")
     assert summary["start_step"] == 2 and not marker.exists()
     printed = capsys.readouterr().out
     assert f"resume | {checkpoint} fails verification (" in printed and victim in printed, printed
@@ -196,5 +203,50 @@ def test_an_empty_rng_file_without_checksums_is_refused_in_one_line(saved, tmp_p
     checkpoint = out_dir / "checkpoints" / "step_4"
     (checkpoint / "rng_rank0.pt").write_bytes(b"")
     (checkpoint / integrity.MANIFEST).unlink()   # a checkpoint from before checksums
-    err = refused(capsys, out_dir, str(checkpoint))
+    err = refused(capsys, out_dir, str(checkpoint), 6, *UNVERIFIED)
     assert "rng_rank0.pt is not an RNG state file that can be read safely (EOFError" in err, err
+
+
+def test_a_checkpoint_without_checksums_is_refused_unless_the_user_accepts_it(saved, tmp_path, capsys):
+    """Its files flipped where no checksum can see it: refused before anything is read, naming the flag;
+    --resume auto passes over it to the newest that verifies; with checkpoint.verify=false it is loaded
+    and a line says it was loaded unverified."""
+    out_dir = copy_run(saved, tmp_path)
+    checkpoint = out_dir / "checkpoints" / "step_4"
+    (checkpoint / integrity.MANIFEST).unlink()
+    flip_bytes(checkpoint / "__0_0.distcp", 16)
+    err = refused(capsys, out_dir, str(checkpoint))
+    assert f"{checkpoint} fails verification: {checkpoint}/checksums.json: missing" in err, err
+    assert "--set checkpoint.verify=false loads it unverified" in err, err
+    summary = train(out_dir, 5, resume="auto")
+    assert summary["start_step"] == 2
+    assert f"resume | {checkpoint} fails verification (" in capsys.readouterr().out
+    trusted = tmp_path / "trusted"
+    shutil.copytree(saved, trusted)
+    checkpoint = trusted / "checkpoints" / "step_4"
+    (checkpoint / integrity.MANIFEST).unlink()
+    summary = train(trusted, 5, *UNVERIFIED, resume=str(checkpoint))
+    assert summary["start_step"] == 4
+    assert f"resume | {checkpoint} has no checksums.json: loaded unverified" in capsys.readouterr().out
+
+
+def test_resume_auto_names_every_newer_step_directory_it_passes_over(saved, tmp_path, capsys):
+    out_dir = copy_run(saved, tmp_path)
+    (out_dir / "checkpoints" / "step_4" / "COMPLETE").unlink()
+    summary = train(out_dir, 5, resume="auto")
+    assert summary["start_step"] == 2
+    printed = capsys.readouterr().out
+    assert (f"resume | {out_dir / 'checkpoints' / 'step_4'} is not a complete checkpoint (no COMPLETE: "
+            f"an interrupted save, or a file deleted): passed over") in printed, printed
+
+
+def test_the_converters_refuse_a_checkpoint_without_checksums_saying_how_to_get_them(saved, tmp_path, capsys):
+    from gdn_parallel.convert.__main__ import main as convert
+    out_dir = copy_run(saved, tmp_path)
+    checkpoint = out_dir / "checkpoints" / "step_4"
+    (checkpoint / integrity.MANIFEST).unlink()
+    assert convert(["to-torch", str(checkpoint), str(tmp_path / "model.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"{checkpoint} fails verification: checksums.json: missing" in err, err
+    assert "--set checkpoint.verify=false" in err, err
+    assert not (tmp_path / "model.pt").exists()

@@ -195,6 +195,7 @@ BAD_INPUTS = [
     ("checkpoint.keep=-2", "checkpoint.keep"),
     ("checkpoint.async_save=2", "checkpoint.async_save"),
     ("checkpoint.enabled=maybe", "checkpoint.enabled"),
+    ("checkpoint.verify=sometimes", "checkpoint.verify"),
     # log
     ("log.tensorboard=maybe", "log.tensorboard"),
     ("log.wandb_project=[1]", "log.wandb_project"),

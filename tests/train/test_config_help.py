@@ -160,7 +160,8 @@ def test_help_config_of_one_section(capsys):
     listing = capsys.readouterr().out
     assert listing.startswith("[checkpoint] Checkpoints under <train.out_dir>/checkpoints/")
     assert re.findall(r"^  (\S+)=", listing, flags=re.MULTILINE) == [
-        "checkpoint.interval", "checkpoint.keep", "checkpoint.async_save", "checkpoint.enabled"]
+        "checkpoint.interval", "checkpoint.keep", "checkpoint.async_save", "checkpoint.enabled",
+        "checkpoint.verify"]
     with pytest.raises(SystemExit) as exited:
         main(["--help-config", "modle"])
     assert exited.value.code == 2 and "invalid choice: 'modle'" in capsys.readouterr().err
