@@ -25,9 +25,12 @@ the workers' statuses), after one line on stderr that says what happened and wha
     0  trained (also after SIGTERM/SIGINT: the step in flight finished and a checkpoint was saved)
     2  refused input: a bad config value, unknown field or malformed YAML file (naming `section.field`
        or the file and line), data too small for one step, an out_dir holding another run, a
-       checkpoint that fails verification, cannot be read safely or holds another model, a resume that
-       changes the LR schedule without train.schedule_override=true (train/schedule.py)
-    3  the loss or gradient was not finite train.max_skipped_steps steps in a row: the run stopped
+       checkpoint that fails verification, cannot be read safely, holds another model or values that
+       are not finite, a resume that changes the LR schedule without train.schedule_override=true
+       (train/schedule.py)
+    3  the loss or gradient was not finite train.max_skipped_steps steps in a row, or at the first step
+       after a resume; or the parameters or optimizer moments were not finite at a save (none is
+       written from them): the run stopped
     4  a file could not be written (a full disk, no permission): the partial checkpoint was removed,
        the earlier ones are intact
     5  another rank ended or stopped answering (killed, crashed, out of memory, stuck past

@@ -234,6 +234,7 @@ def _resume(run: RunState, checkpoint: Path | None, resume: str | None) -> bool:
     checkpoint, saved = _load(run, checkpoint, resume, here)
     run.start_step = int(saved["step"])
     run.last_step = run.start_step - 1
+    run.resumed_from = checkpoint
     check_resumed_schedule(saved["config"], train, run.start_step, run.say)
     run.batches.load_state_dict(saved["data"]["stream"])
     run.say(f"resume | {checkpoint} | step {run.start_step}"

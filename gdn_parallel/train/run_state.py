@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -52,6 +53,7 @@ class RunState:
     saver: CheckpointSaver | None = None    # None: no checkpoints (disabled, or no train.out_dir)
     profiler: StepProfiler | None = None    # train.profile_steps (a no-op without them)
     start_step: int = 0                 # a resumed run's checkpoint step
+    resumed_from: Path | None = None    # the checkpoint a resumed run loaded
     last_step: int = -1                 # the step run last (start_step - 1 before the first)
     skipped_in_row: int = 0             # non-finite steps in a row, skipped
     pending: StepOutcome | None = None  # the last step, until the host books it (trainer._settle)

@@ -75,6 +75,11 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     config.validate(world_size=world)
     check_layers(config.model, config.parallel.tp)  # the layer pattern's rules (config cannot know mixers)
     run = set_up_run(config, device, print_fn, resume)
+    if run.resumed_from is not None and not _state_is_finite(run):
+        from ..checkpoint import CheckpointError
+        raise CheckpointError(f"{run.resumed_from} holds parameters or optimizer moments that are not "
+                              f"finite: it is damaged or was saved from a diverged run; resume an earlier "
+                              f"checkpoint (--resume PATH)")
     stop = StopRequest.for_device(device)
     try:
         for step in range(run.start_step, config.train.steps):
@@ -170,11 +175,32 @@ def _skip(run: RunState, step: int, loss: torch.Tensor, grad_norm: torch.Tensor)
     reason = f"loss {float(loss):.4g}, grad_norm {float(grad_norm):.4g}"
     run.say(f"skip  | step {step}: non-finite ({reason}); nothing applied ({in_row} in a row, limit {limit})")
     run.logger.record({"step": step, "skipped_step": True, "reason": reason})
+    if step == run.start_step and run.resumed_from is not None:
+        raise TrainingDiverged(
+            f"the first step after resuming {run.resumed_from} is not finite ({reason}): the state that "
+            f"checkpoint holds is damaged or diverged; resume an earlier checkpoint (--resume PATH)")
     if in_row >= limit:
         raise TrainingDiverged(
             f"{in_row} steps in a row had a non-finite loss or gradient (last: step {step}, {reason}); "
             f"stopping. Lower train.lr or raise train.warmup_steps, check train.dtype, or resume from the "
             f"last checkpoint with --resume auto")
+
+
+def _state_is_finite(run: RunState) -> bool:
+    """Every rank's parameters and optimizer slots are finite (one reduction a rank, then a MIN over the
+    ranks: a collective)."""
+    from torch.distributed.tensor import DTensor
+    tensors = []
+    for _, param in run.parallel.named_parameters():
+        tensors.append(param.detach())
+        tensors += [v for v in run.optimizer.state.get(param, {}).values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    flags = [torch.isfinite(t).all() for t in local if t.numel()]
+    finite = torch.stack(flags).all() if flags else torch.tensor(True)
+    agreed = finite.to(device=run.device, dtype=torch.int32).reshape(1)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
 
 
 def _evaluate(run: RunState, step: int) -> None:
@@ -188,8 +214,13 @@ def _evaluate(run: RunState, step: int) -> None:
 
 
 def _save(run: RunState, step: int) -> None:
-    """The checkpoint after `step` (step + 1 completed steps); its time is not training throughput."""
+    """The checkpoint after `step` (step + 1 completed steps); its time is not training throughput.
+    A state that is not finite is never saved: the run stops instead."""
     with run.logger.paused():
+        if not _state_is_finite(run):
+            raise TrainingDiverged(
+                f"after step {step} the parameters or optimizer moments are not finite: no checkpoint is "
+                f"written from them; resume the newest checkpoint (--resume auto)")
         # The stream's position is the same on every rank: the global token count consumed.
         where = str(run.saver.save(step + 1, run.parallel.named_parameters(), run.optimizer, run.dims,
                                    run.config, run.batches.state_dict()))

@@ -250,3 +250,62 @@ def test_the_converters_refuse_a_checkpoint_without_checksums_saying_how_to_get_
     assert f"{checkpoint} fails verification: checksums.json: missing" in err, err
     assert "--set checkpoint.verify=false" in err, err
     assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_checkpoint_holding_non_finite_values_is_refused_naming_it(saved, tmp_path, capsys):
+    """Damage the checksums would have caught, let through with checkpoint.verify=false (16 bytes of a
+    data file set to 0xFF: NaNs): refused once loaded (status 2), naming the checkpoint; no checkpoint
+    written. (Flipped bits that stay finite are met at the first save instead: the next test.)"""
+    out_dir = copy_run(saved, tmp_path)
+    checkpoint = out_dir / "checkpoints" / "step_4"
+    (checkpoint / integrity.MANIFEST).unlink()
+    data = bytearray((checkpoint / "__0_0.distcp").read_bytes())
+    data[len(data) // 2:len(data) // 2 + 16] = b"\xff" * 16
+    (checkpoint / "__0_0.distcp").write_bytes(bytes(data))
+    err = refused(capsys, out_dir, str(checkpoint), 6, *UNVERIFIED)
+    assert f"{checkpoint} holds parameters or optimizer moments that are not finite" in err, err
+    assert sorted(p.name for p in (out_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_a_resume_whose_first_step_is_not_finite_stops_naming_the_checkpoint(saved, tmp_path, capsys,
+                                                                              monkeypatch):
+    """A finite state whose first step is not (here: the loss made NaN at that step) stops the run
+    (status 3) naming the checkpoint, without a checkpoint."""
+    from gdn_parallel.train import trainer
+    original = trainer._optimizer_step
+
+    def nan_loss(run, step):
+        if step == run.start_step:
+            with torch.no_grad():
+                next(iter(run.parallel.parameters())).fill_(float("nan"))
+        original(run, step)
+    monkeypatch.setattr(trainer, "_optimizer_step", nan_loss)
+    out_dir = copy_run(saved, tmp_path)
+    checkpoint = out_dir / "checkpoints" / "step_4"
+    with pytest.raises(SystemExit) as stop:
+        train(out_dir, 6, resume=str(checkpoint))
+    assert stop.value.code == 3
+    err = capsys.readouterr().err
+    assert f"the first step after resuming {checkpoint} is not finite" in err, err
+    assert sorted(p.name for p in (out_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_a_state_that_is_not_finite_is_never_saved(tmp_path, capsys, monkeypatch):
+    """Parameters gone NaN without a non-finite loss (here: put there after step 1) stop the run at
+    the save (status 3) instead of becoming a checkpoint."""
+    from gdn_parallel.train import trainer
+    original = trainer._optimizer_step
+
+    def poisoned(run, step):
+        original(run, step)
+        if step == 1:
+            with torch.no_grad():
+                next(iter(run.parallel.parameters())).fill_(float("nan"))
+    monkeypatch.setattr(trainer, "_optimizer_step", poisoned)
+    with pytest.raises(SystemExit) as stop:
+        train(tmp_path / "run", 4, "--set", "checkpoint.interval=2")
+    assert stop.value.code == 3
+    err = capsys.readouterr().err
+    assert "after step 1 the parameters or optimizer moments are not finite: no checkpoint is written" in err
+    saved_dirs = tmp_path / "run" / "checkpoints"
+    assert not saved_dirs.exists() or not any(saved_dirs.iterdir())
