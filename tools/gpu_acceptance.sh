@@ -6,8 +6,8 @@
 #   bash tools/gpu_acceptance.sh ab        (tools/bench_ab.py: this tree's trainer against .bench_baseline's)
 #   bash tools/gpu_acceptance.sh ab_stream (the same, model.residual_in_fp32=false against this tree's default)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
-#                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2 and
-#                                           multi4l on 4 GPUs: the 4-GPU verify takes ~10 minutes, in 2 halves)
+#                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
+#                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
 # Results and logs under $OUT (device tool) or runs/gpu_acceptance.
 # 1. tools/gpu_smoke.py: every config trains 20 steps at its own batch (finite, falling loss);
 # 2. the GPU tests in groups run at once, each with its own time limit, so that a slow or failing
@@ -120,9 +120,9 @@ if [[ " $parts " == *" multi"* ]]; then
             step multi_long2 420 "${M[@]}" long --steps 10 --save-after 5 --limit-s 200
         fi
     fi
-    for half in 1 2; do
-        if (( n >= 4 )) && [[ " $parts " == *" multi "* || " $parts " == *" multi4v$half "* ]]; then
-            step multi_verify4_$half 560 "${M[@]}" verify --verify-part $half/2 --limit-s 550
+    for third in 1 2 3; do
+        if (( n >= 4 )) && [[ " $parts " == *" multi "* || " $parts " == *" multi4v$third "* ]]; then
+            step multi_verify4_$third 560 "${M[@]}" verify --verify-part $third/3 --limit-s 550
         fi
     done
     if (( n >= 4 )) && [[ " $parts " == *" multi "* || " $parts " == *" multi4l "* ]]; then
