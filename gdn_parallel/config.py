@@ -522,6 +522,10 @@ class ParallelConfig:
     def validate(self, model: ModelConfig | None = None, train: TrainConfig | None = None,
                  world_size: int | None = None) -> ParallelConfig:
         _check_fields(self, "parallel")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true splits the sequence over the tensor-parallel "
+                              "ranks, and parallel.tp=1 has none; set parallel.tp > 1 or "
+                              "parallel.sequence_parallel=false")
         if world_size is not None and self.world_size != world_size:
             raise ConfigError(
                 f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} "
@@ -670,6 +674,10 @@ class Config:
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
         data = _read_yaml(path)
+        if data is None:
+            raise ConfigError(f"config file {str(path)!r} is empty (or only comments): it would train every "
+                              f"default; give the sections to use (model:, train:, ...; configs/ has "
+                              f"examples)")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections "
                               f"(model:, data:, train:, parallel:), got {type(data).__name__}")
@@ -736,7 +744,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _read_yaml(path: Path) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
-            return yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+            return yaml.load(fh, Loader=_UniqueKeyLoader)   # None: the file holds nothing
     except _DuplicateKey as err:
         raise ConfigError(f"config file {str(path)!r}, line {err.problem_mark.line + 1}: "
                           f"{err.problem}") from None

@@ -48,6 +48,9 @@ def layout_config(saved_config: dict, layout: str) -> Config:
         parse_override(f"parallel.{item}")  # names the field when it is not a parallel one
         overrides.append(f"parallel.{item}")
     config = Config.from_dict(saved_config).with_overrides(overrides)
+    named = {item.split("=", 1)[0].strip() for item in items}
+    if config.parallel.tp == 1 and "sequence_parallel" not in named:
+        config.parallel.sequence_parallel = False   # the saved run's, meaningless without tp
     config.model.validate()
     config.parallel.validate(config.model)
     check_layers(config.model, config.parallel.tp)

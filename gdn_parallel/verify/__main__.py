@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -175,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 def _request(args: argparse.Namespace, world: int) -> VerifyRequest:
     """The config, batch shape, step count, layouts and faults asked for (ConfigError, LayoutError: the
     command or config is wrong)."""
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len {args.seq_len} must be positive (leave it out for the config's "
+                          f"train.seq_len)")
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
+        raise ConfigError(f"--tolerance {args.tolerance} must be a positive number (a relative error bound, "
+                          f"e.g. 1e-5)")
     config = Config.from_yaml(resolve_config_path(args.config), args.overrides)
     seq_len = args.seq_len or config.train.seq_len
     steps = args.steps if args.steps is not None else (SAVED_AFTER + 1 if args.checkpoint else 1)

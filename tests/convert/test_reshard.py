@@ -108,3 +108,12 @@ def test_a_layout_needs_its_processes_and_a_free_output(hybrid_checkpoint, tmp_p
                  "--report", str(report)]) == 2
     assert "already holds" in capsys.readouterr().err
     assert not list(taken.iterdir()) and not report.exists()
+
+
+def test_a_sequence_parallel_run_reshards_to_a_layout_without_tp():
+    """The saved run's parallel.sequence_parallel=true stays for a layout with tp and is dropped for
+    one without (where it means nothing, and a config asking for it is refused)."""
+    saved = Config.from_yaml("configs/tiny-cpu.yaml",
+                             ["parallel.tp=2", "parallel.sequence_parallel=true"]).to_dict()
+    assert reshard_module.layout_config(saved, "tp=2").parallel.sequence_parallel
+    assert not reshard_module.layout_config(saved, "dp=2").parallel.sequence_parallel

@@ -156,6 +156,7 @@ BAD_INPUTS = [
     ("train.schedule_override=yes please", "train.schedule_override"),
     # parallel
     ("parallel.tp=0", "parallel.tp"),
+    ("parallel.sequence_parallel=true", "parallel.sequence_parallel"),   # tp=1: no tp ranks to split over
     ("parallel.tp=3", "parallel.tp"),                         # 2 GDN heads are not divisible by 3
     ("parallel.pp=0", "parallel.pp"),
     (["parallel.pp=4", "train.microbatch_size=2"], "train.microbatch_size"),  # 2 micro-batches, 4 stages
@@ -245,6 +246,14 @@ def test_vocabulary_smaller_than_the_data_fails_at_start_up():
     with pytest.raises(ConfigError, match="model.vocab_size=100"):
         check_vocabulary(DataConfig(), 100)
     check_vocabulary(DataConfig(), 256)
+
+
+def test_an_empty_config_file_is_refused_not_trained_as_the_defaults(tmp_path):
+    for text in ("", "# only a comment\n"):
+        path = tmp_path / "empty.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml' is empty \(or only comments\)"):
+            Config.from_yaml(path)
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):

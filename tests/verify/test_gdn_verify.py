@@ -129,6 +129,11 @@ def test_bad_arguments_exit_2_and_say_what_to_write(capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--seq-len", "4"]) == 2
     assert "--rows 2 x --seq-len 4 at least 16 tokens" in capsys.readouterr().err
+    assert main(["--seq-len", "0"]) == 2
+    assert "--seq-len 0 must be positive" in capsys.readouterr().err
+    for bound in ("-1", "nan", "0"):
+        assert main(["--tolerance", bound]) == 2
+        assert f"--tolerance {float(bound)} must be a positive number" in capsys.readouterr().err
     assert main(["--inject-fault", "cp2"]) == 2
     assert "not a layout this run checks" in capsys.readouterr().err
     assert main(["--steps", "1", "--checkpoint"]) == 2
