@@ -60,7 +60,7 @@ def incomplete_reason(path: Path) -> str:
 
 def complete_checkpoints(out_dir: str) -> list[Path]:
     """Complete checkpoints under out_dir, oldest first."""
-    return [path for _, path in _steps(out_dir) if is_complete(path)]
+    return [path for _, path in _complete_steps(out_dir)]
 
 
 def step_directories(out_dir: str) -> list[Path]:

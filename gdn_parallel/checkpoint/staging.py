@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..parallel.tensor import local_tensor
+
 
 class HostStaging:
     """Host buffers for checkpoint tensors, reused while their key, shape and dtype stay the same."""
@@ -25,7 +27,7 @@ class HostStaging:
         staged: dict[str, torch.Tensor] = {}
         devices = set()
         for key, value in state.items():
-            local = value.to_local() if isinstance(value, DTensor) else value
+            local = local_tensor(value)
             buffer = self._buffer(key, local)
             buffer.copy_(local, non_blocking=buffer.is_pinned())
             if local.is_cuda:

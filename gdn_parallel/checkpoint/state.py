@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..parallel.tensor import tp_shard_dim
+from ..parallel.tensor import local_tensor, tp_shard_dim
 
 MODEL, OPTIM = "model.", "optim."
 
@@ -90,7 +90,7 @@ class _Layout:
     def save_form(self, value: torch.Tensor, param: nn.Parameter, where: _Placement) -> torch.Tensor:
         """The rank's share of `value` as a DTensor: its piece, cut further along the replica splits
         (views, no copy)."""
-        piece = _local(value)
+        piece = local_tensor(value)
         for name in ("dp", "cp"):
             if getattr(where, name) is None or (name == "dp" and where.fsdp):
                 continue
@@ -101,7 +101,7 @@ class _Layout:
     def load_form(self, value: torch.Tensor, param: nn.Parameter, where: _Placement) -> torch.Tensor:
         """A buffer for the rank's whole piece of `value` (replicas read it all)."""
         whole = _Placement(where.tp, 0 if where.fsdp else None, None, where.fsdp)
-        return self._dtensor(_local(value).clone(), value, param, whole)
+        return self._dtensor(local_tensor(value).clone(), value, param, whole)
 
     def _dtensor(self, piece, value, param, where: _Placement):
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -125,11 +125,6 @@ def _cut_order_mesh(dims):
     ranks = mesh.mesh[index].permute(*[kept.index(name) for name in MESH_ORDER]).contiguous()
     return DeviceMesh.from_group([mesh.get_group(name) for name in MESH_ORDER], mesh.device_type, mesh=ranks,
                                  mesh_dim_names=MESH_ORDER)
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _global_shape(value: torch.Tensor, param: nn.Parameter, tp: int) -> tuple[int, ...]:
@@ -165,7 +160,7 @@ def _tp_form(piece: torch.Tensor, param: nn.Parameter, layout: _Layout) -> torch
     return DTensor.from_local(piece, layout.dims.mesh["tp"], [Shard(dim)], run_check=False)
 
 
-def _tensors(named_params, optimizer) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
+def rank_tensors(named_params, optimizer) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
     """(checkpoint key, tensor, its parameter) for every parameter and optimizer slot of the rank."""
     for name, param in named_params:
         yield MODEL + name, param.detach(), param
@@ -177,7 +172,7 @@ def _tensors(named_params, optimizer) -> Iterator[tuple[str, torch.Tensor, nn.Pa
 def _forms(named_params, optimizer, dims, load: bool) -> dict[str, torch.Tensor]:
     layout = _Layout(dims)
     state: dict[str, torch.Tensor] = {}
-    for key, value, param in _tensors(named_params, optimizer):
+    for key, value, param in rank_tensors(named_params, optimizer):
         if value.dim() == 0:                       # AdamW's step: the same on every rank
             state[key] = value
             continue
@@ -226,7 +221,7 @@ def targets_to_load(named_params: list[tuple[str, nn.Parameter]], optimizer: tor
 def apply_loaded(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
                  loaded: dict[str, torch.Tensor]) -> None:
     """Copy what DCP read into the parameters and optimizer slots of this rank (its own pieces)."""
-    for key, value, _param in _tensors(named_params, optimizer):
+    for key, value, _param in rank_tensors(named_params, optimizer):
         _copy_into(value, loaded[key])
 
 

@@ -53,9 +53,9 @@ from .tensor_collectives import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["apply_tensor_parallel", "reduce_tp_partial_grads", "full_tensor", "sequence_shard",
-           "tp_shard_dim", "TensorParallelPlan", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
-           "VocabParallelLinearCrossEntropy", "ReplicatedHeadLinear"]
+__all__ = ["apply_tensor_parallel", "local_tensor", "reduce_tp_partial_grads", "full_tensor",
+           "sequence_shard", "tp_shard_dim", "TensorParallelPlan", "VocabParallelEmbedding",
+           "VocabParallelCrossEntropy", "VocabParallelLinearCrossEntropy", "ReplicatedHeadLinear"]
 
 
 # Parameter metadata attributes (module docstring), set by _mark_shard_dim and _mark_partial.
@@ -289,8 +289,8 @@ class VocabParallelLinearCrossEntropy(nn.Module):
 
 
 # ---------------------------------------------------------------- gradients, gathering, metadata
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of an FSDP2 DTensor (its dp shard), or the tensor itself."""
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (an FSDP2 parameter's dp shard), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -298,7 +298,7 @@ def reduce_tp_partial_grads(model: nn.Module, tp_group) -> None:
     """Sum the gradients of `_tp_partial_grad` parameters over tp (one flat all-reduce per dtype).
     Call once per step after backward (after gradient accumulation), before clipping and the
     optimizer step. It commutes with the dp x cp reduction (both are sums over orthogonal groups)."""
-    all_reduce_flat([_local(p.grad) for p in model.parameters()
+    all_reduce_flat([local_tensor(p.grad) for p in model.parameters()
                      if getattr(p, TP_PARTIAL_GRAD, False) and p.grad is not None], tp_group)
 
 

@@ -32,8 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import CheckpointError
+from ..checkpoint.state import rank_tensors
 from ..config import Config, ConfigError
 from ..model import check_layers
+from ..parallel.tensor import local_tensor
 from ..runtime.session import process_group
 from .evaluation import evaluate
 from .progress import format_duration
@@ -76,7 +79,6 @@ def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     check_layers(config.model, config.parallel.tp)  # the layer pattern's rules (config cannot know mixers)
     run = set_up_run(config, device, print_fn, resume)
     if run.resumed_from is not None and not _state_is_finite(run):
-        from ..checkpoint import CheckpointError
         raise CheckpointError(f"{run.resumed_from} holds parameters or optimizer moments that are not "
                               f"finite: it is damaged or was saved from a diverged run; resume an earlier "
                               f"checkpoint (--resume PATH)")
@@ -187,16 +189,10 @@ def _skip(run: RunState, step: int, loss: torch.Tensor, grad_norm: torch.Tensor)
 
 
 def _state_is_finite(run: RunState) -> bool:
-    """Every rank's parameters and optimizer slots are finite (one reduction a rank, then a MIN over the
-    ranks: a collective)."""
-    from torch.distributed.tensor import DTensor
-    tensors = []
-    for _, param in run.parallel.named_parameters():
-        tensors.append(param.detach())
-        tensors += [v for v in run.optimizer.state.get(param, {}).values()
-                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    flags = [torch.isfinite(t).all() for t in local if t.numel()]
+    """Every rank's parameters and optimizer slots (what a checkpoint holds) are finite (one reduction
+    a rank, then a MIN over the ranks: a collective)."""
+    flags = [torch.isfinite(local_tensor(value)).all().to(run.device)
+             for _, value, _ in rank_tensors(run.parallel.named_parameters(), run.optimizer) if value.numel()]
     finite = torch.stack(flags).all() if flags else torch.tensor(True)
     agreed = finite.to(device=run.device, dtype=torch.int32).reshape(1)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
