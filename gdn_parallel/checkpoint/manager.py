@@ -115,9 +115,11 @@ class CheckpointSaver:
         # "collective mismatch". So it gets a group of its own, on gloo (it exchanges Python objects
         # of staged CPU copies; also when training runs on NCCL). Every rank builds the saver, so
         # every rank takes part in creating the group. A new group does not inherit the default
-        # group's timeout: it is given the run's.
-        several = async_save and dist.is_initialized() and dist.get_world_size() > 1
-        self._save_group = dist.new_group(backend="gloo", timeout=timeout or None) if several else None
+        # group's timeout: it is given the run's. One process needs it too: DCP refuses a background
+        # save on a group without a CPU backend (a one-GPU run's default group is NCCL alone).
+        background = async_save and dist.is_initialized()
+        several = background and dist.get_world_size() > 1
+        self._save_group = dist.new_group(backend="gloo", timeout=timeout or None) if background else None
         # The ranks agree that a background save is written (poll, once a step) on a gloo group of its
         # own too: on the training group (NCCL) the flag would be a CUDA tensor read back every step, a
         # wait for the whole queued step while the save is in flight.

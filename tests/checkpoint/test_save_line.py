@@ -31,3 +31,21 @@ def test_the_save_line_names_the_published_checkpoint(tmp_path, capsys, async_sa
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     saved = [(r["step"], r["checkpoint"]) for r in records if "checkpoint" in r]
     assert saved == [(1, str(checkpoints / "step_2")), (2, str(checkpoints / "step_3"))]
+
+
+def test_a_background_save_of_one_process_runs_on_a_gloo_group(tmp_path, monkeypatch):
+    """DCP refuses a background save on a group without a CPU backend; a one-GPU run's default group is
+    NCCL alone ("A CPU backend must be enabled for async save", seen on an H100), so even one process
+    hands DCP a gloo group of its own."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    groups = []
+    real = dcp.async_save
+
+    def recording(state, **kwargs):
+        group = kwargs.get("process_group")
+        groups.append(None if group is None else dist.get_backend(group))
+        return real(state, **kwargs)
+    monkeypatch.setattr(dcp, "async_save", recording)
+    run([*BASE, "--set", f"train.out_dir={tmp_path}", "--set", "checkpoint.async_save=true"])
+    assert groups == ["gloo", "gloo"]
