@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -30,11 +31,12 @@ import torch
 class _HostPool:
     """Host buffers by (numel, dtype), reused across steps; page-locked on CUDA at their exact size."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
+    def __init__(self, pin: bool, device: torch.device | None = None):
+        self.pin, self.device = pin, device
         self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
         self.registered: list[torch.Tensor] = []
         self.bytes = 0  # host memory held, all buffers
+        self._unregister_at_end()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self.free[(numel, dtype)]
@@ -56,11 +58,33 @@ class _HostPool:
         self.free[(buffer.numel(), buffer.dtype)].append(buffer)
 
     def release(self) -> None:
-        for buffer in self.registered:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        self.registered.clear()
+        self._unregister()          # now, once; buffers taken later are unregistered at the pool's end
+        self._unregister_at_end()
         self.free.clear()
         self.bytes = 0
+
+    def _unregister_at_end(self) -> None:
+        # Memory freed while registered stays registered in the driver: a later host tensor at the same
+        # addresses then fails its copies to the GPU (CUDA "invalid argument"; gdn-verify builds a model,
+        # and with it a pool, per layout). The finalizer holds the buffers, not the pool: they live until
+        # the pool is collected, are unregistered, and only then freed. At exit the process's end frees all.
+        self.registered = []
+        self._unregister = weakref.finalize(self, _unregister_buffers, self.registered, self.device)
+        self._unregister.atexit = False
+
+
+def _unregister_buffers(buffers: list[torch.Tensor], device: torch.device | None) -> None:
+    """Unregister page-locked host buffers once no copy queued on `device` may still read them."""
+    if not buffers:
+        return
+    torch.cuda.synchronize(device)
+    for buffer in buffers:
+        status = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+        if status != 0:   # said, not raised: this runs when the pool is collected
+            warnings.warn(f"train.activation_offload=cpu: unregistering a host buffer of "
+                          f"{buffer.numel() * buffer.element_size()} bytes failed (CUDA error {status})",
+                          RuntimeWarning, stacklevel=1)
+    buffers.clear()
 
 
 class _Offloaded:
@@ -91,7 +115,7 @@ class BlockInputOffload:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
-        self.pool = _HostPool(pin=self.on_cuda)
+        self.pool = _HostPool(pin=self.on_cuda, device=self.device)
         self._last: weakref.ref | None = None
         # since the last reset: bytes sent to the host, and copies back started one block ahead or only
         # when asked for (the first block of a backward, or a backward in another order)

@@ -108,3 +108,37 @@ def cp_equal(rank, world):
 
 def test_offload_under_context_parallelism():
     assert all(run_workers(cp_equal, 2))
+
+
+def test_page_locked_buffers_are_unregistered_before_they_are_freed(monkeypatch):
+    """A pool's registered host buffers are unregistered when the pool is collected, or by release(),
+    before they are freed (freed while registered, their addresses stay registered in the driver
+    and a later tensor there fails its copies to the GPU). CUDA's runtime is faked: the calls are counted."""
+    import gc
+
+    from gdn_parallel.parallel import offload as offload_module
+    calls: list[tuple[str, int]] = []
+
+    class FakeRuntime:
+        def cudaHostRegister(self, pointer, nbytes, flags):
+            calls.append(("register", pointer))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            calls.append(("unregister", pointer))
+            return 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeRuntime())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def take(pool, numel):
+        return pool.take(numel, torch.float32)
+
+    pool = offload_module._HostPool(pin=True)
+    pointers = [take(pool, 1 << 16).data_ptr(), take(pool, 1 << 17).data_ptr()]
+    pool.release()
+    assert sorted(p for kind, p in calls if kind == "unregister") == sorted(pointers)
+    calls.clear()
+    later = take(pool, 1 << 18).data_ptr()   # a buffer taken after release(): unregistered at the pool's end
+    del pool
+    gc.collect()
+    assert calls == [("register", later), ("unregister", later)]
