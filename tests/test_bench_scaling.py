@@ -1,0 +1,54 @@
+"""tools/bench_scaling.py: each dimension keeps each GPU's work, the efficiency is per GPU against the
+dimension's one-GPU run, and the smoke run goes through the real trainer under torchrun (CPU gloo)."""
+import json
+
+import pytest
+
+from tools import bench_scaling
+
+
+def _settings(name: str, n: int) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in bench_scaling.DIMENSIONS[name].settings(n))
+
+
+def test_each_dimension_keeps_each_gpus_work():
+    # dp: the config's batch of 8 a replica; cp: 64K tokens a rank; tp: the same batch
+    assert _settings("dp", 4)["train.batch_size"] == "32" and _settings("dp", 4)["parallel.dp"] == "4"
+    for name, algorithm in (("cp", "relay"), ("cp-allgather", "allgather")):
+        at_two = _settings(name, 2)
+        assert at_two["train.seq_len"] == str(2 * 65536) and at_two["parallel.cp"] == "2"
+        assert at_two["parallel.cp_algorithm"] == algorithm
+        assert at_two["train.activation_checkpointing"] == "full"
+    assert _settings("tp", 2) == {"parallel.tp": "2"}
+
+
+def test_efficiency_is_per_gpu_against_the_dimensions_one_gpu_run():
+    rows = [{"dimension": "dp", "gpus": 1, "tokens_per_s": 100.0},
+            {"dimension": "dp", "gpus": 4, "tokens_per_s": 360.0},
+            {"dimension": "tp", "gpus": 1, "tokens_per_s": 50.0},
+            {"dimension": "tp", "gpus": 2, "tokens_per_s": None}]   # a failed run has no efficiency
+    bench_scaling.efficiencies(rows)
+    assert [r["efficiency"] for r in rows] == [1.0, 0.9, 1.0, None]
+    assert rows[1]["tokens_per_s_per_gpu"] == 90.0
+
+
+def test_steps_must_outlast_the_skipped_ones():
+    with pytest.raises(SystemExit):
+        bench_scaling.parse_args(["--steps", "3", "--skip", "3"])
+
+
+@pytest.mark.integration
+def test_smoke_runs_the_trainer_and_writes_table_json_and_plot(tmp_path, capsys):
+    status = bench_scaling.main(["--smoke", "--dims", "cp", "--steps", "4", "--skip", "2",
+                                 "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "scaling.json").read_text())
+    rows = {(r["dimension"], r["gpus"]): r for r in report["rows"]}
+    assert status == 0, [r["status"] for r in report["rows"]]
+    assert set(rows) == {("cp", 1), ("cp", 2)}
+    assert rows[("cp", 2)]["tokens_per_s"] > 0 and rows[("cp", 2)]["loss_fell"]
+    command = rows[("cp", 2)]["command"]
+    assert "torch.distributed.run" in command and "parallel.cp=2" in command
+    assert rows[("cp", 1)]["efficiency"] == 1.0 and rows[("cp", 2)]["efficiency"] > 0
+    assert "| cp | 2 |" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "scaling.png").stat().st_size > 0
