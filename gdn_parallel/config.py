@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import math
 import os
+import stat
+import tempfile
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -438,6 +440,10 @@ class TrainConfig:
         if self.warmup_steps > self.steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds train.steps={self.steps}; "
                               f"lower train.warmup_steps or raise train.steps")
+        if self.warmup_steps > self.longest_warmup:  # (cosine) the run would end at the peak LR
+            raise ConfigError(f"train.lr_schedule=cosine: train.warmup_steps={self.warmup_steps} fills all "
+                              f"train.steps={self.steps}, leaving no update to decay to min_lr in; lower "
+                              f"train.warmup_steps below train.steps (or use train.lr_schedule=constant)")
         if self.lr_schedule == "wsd" and self.warmup_steps + self.decay_steps > self.steps:
             raise ConfigError(f"train.lr_schedule=wsd: train.warmup_steps={self.warmup_steps} plus the "
                               f"decay's round(train.decay_fraction * steps) = {self.decay_steps} steps "
@@ -470,6 +476,12 @@ class TrainConfig:
     def profile_window(self) -> tuple[int, int] | None:
         """train.profile_steps as (first, last), or None."""
         return parse_profile_steps(self.profile_steps)
+
+    @property
+    def longest_warmup(self) -> int:
+        """The most warmup updates train.steps leaves room for: cosine needs one update after the warmup
+        to decay to min_lr in (wsd's decay is checked with its own fields)."""
+        return self.steps - 1 if self.lr_schedule == "cosine" else self.steps
 
     @property
     def decay_steps(self) -> int:
@@ -598,6 +610,10 @@ class CheckpointConfig:
     enabled: bool = setting(True, "write checkpoints (false: none at all, for a run that is never resumed)")
     verify: bool = setting(True, "resume only from a checkpoint with its checksums (checksums.json); false: "
                                  "one without them is loaded unverified, with a line that says so")
+    allow_other_run: bool = setting(False, "resume a checkpoint of another run (its run id is not the one "
+                                           "<train.out_dir>/run_id.json names) into this out_dir; false: "
+                                           "refused, naming both ids. A fresh out_dir (no run_id.json "
+                                           "yet) resumes any run's checkpoint without it")
 
     def validate(self, train: TrainConfig | None = None) -> None:
         _check_fields(self, "checkpoint")
@@ -672,7 +688,8 @@ class Config:
         the CLI adjusts a few fields first)."""
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
+            raise ConfigError(f"config file {str(path)!r} {what_is_at(path)}: give a YAML file (e.g. "
+                              f"configs/tiny-cpu.yaml; configs/ has examples)")
         data = _read_yaml(path)
         if data is None:
             raise ConfigError(f"config file {str(path)!r} is empty (or only comments): it would train every "
@@ -828,6 +845,40 @@ def _check_out_dir(out_dir: str) -> None:
                 else f"cannot be created: {str(existing)!r} is not writable")
         raise ConfigError(f"train.out_dir={out_dir!r} {what}; choose a directory you can write (or '' to "
                           f"write nothing)")
+
+
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def what_is_at(path: str | Path) -> str:
+    """Why `path` is no regular file, in words for a message ("does not exist", "is a directory",
+    "is a character device, not a regular file", ...), for a path that was expected to be a file."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "is a broken symbolic link" if path.is_symlink() else "does not exist"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    kind = next((name for test, name in _KINDS if test(mode)), None)
+    return f"is {kind}, not a regular file" if kind else "is not a regular file"
+
+
+def creation_problem(path: str | Path) -> str | None:
+    """Why the file or directory `path` could not be created, or None when it can: the nearest existing
+    ancestor must be a directory in which an entry can be made. Probed by making (and removing) one,
+    since os.access passes root where a read-only or virtual file system (/proc) refuses it."""
+    existing = Path(path).absolute().parent
+    try:
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            return f"{str(existing)!r} is a file, not a directory"
+        Path(tempfile.mkdtemp(prefix=".gdn-write-probe-", dir=existing)).rmdir()
+    except OSError as err:
+        return f"nothing can be created in {str(existing)!r} ({err.strerror or err})"
+    return None
 
 
 def _build(cls, data: dict, prefix: str):

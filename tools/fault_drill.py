@@ -6,6 +6,7 @@ starved of disk and restarted, each followed by the `--resume` a user would type
     python3 tools/fault_drill.py corrupt --trials 10 --out corrupt.json
     python3 tools/fault_drill.py disk-full --out disk.json      # root: mounts a tmpfs
     python3 tools/fault_drill.py restarts --jobs 5 --out restarts.json
+    python3 tools/fault_drill.py other-run --trials 3 --out other.json
     python3 tools/fault_drill.py corrupt --kinds torn-metadata --trial 3   # one case again (same seed)
 
 Parts (docs/reliability.md, "Fault drill", has the measured tally):
@@ -14,17 +15,23 @@ Parts (docs/reliability.md, "Fault drill", has the measured tally):
   corrupt           a finished run's newest checkpoint damaged one way per kind, then `--resume <it>`
                     (must refuse: one line naming the file, status 2) and `--resume auto` (must pass over
                     it loudly and resume the older one; when that one is damaged too, refuse in one line
-                    naming the files); planted pickles would create a marker file if they ran
+                    naming the files); planted pickles would create a marker file if they ran; a
+                    checkpoint without checksums.json is also resumed with checkpoint.verify=false
   disk-full         a run writing into a small tmpfs until a save fails (status 4, one line), then the
                     tmpfs enlarged and `--resume auto` to the end; always unmounted
   restarts          torchrun --max-restarts=2 --nproc_per_node=2 ... --resume auto with one worker
                     SIGKILLed after a checkpoint exists: does the job finish, or hang?
+  other-run         a finished run's step_4 replaced by (or linked to) step_4 of a run with another
+                    seed: `--resume <it>` and `--resume auto` must refuse in one line naming both run
+                    ids; with checkpoint.allow_other_run=true, and into a fresh out_dir, it resumes
 
 What counts: a run is lost when its resume fails, loads a checkpoint that does not verify, starts
 before the newest complete checkpoint, or ends without a final checkpoint that verifies. A run's
 output holds a raw traceback when it contains "Traceback (most recent call last)", except torchrun's
 agent's own ChildFailedError summary or SignalException when the drill killed a worker (or the job)
 on purpose: that summary is how torchrun reports any worker that died, not the trainer's output.
+No command may write a checkpoint that is not finite (corrupt, other-run), nor resume another run's
+checkpoint without checkpoint.allow_other_run (other-run).
 Every trial records its commands; every failing trial its reproduction command. Temporary
 directories, mounts and child processes are removed at exit, also on failure or Ctrl-C.
 """
@@ -46,13 +53,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from tools.drill import corruption, disk_full, kill_during_save, restarts  # noqa: E402
+from tools.drill import corruption, disk_full, kill_during_save, other_run, restarts  # noqa: E402
 from tools.drill.damage import CORRUPTIONS  # noqa: E402
 from tools.drill.processes import Workspace, raise_on_signal  # noqa: E402
 
-PARTS = ("kill-during-save", "corrupt", "disk-full", "restarts")
+PARTS = ("kill-during-save", "corrupt", "other-run", "disk-full", "restarts")
 RUNNERS = {"kill-during-save": kill_during_save.run_part, "corrupt": corruption.run_part,
-           "disk-full": disk_full.run_part, "restarts": restarts.run_part}
+           "other-run": other_run.run_part, "disk-full": disk_full.run_part, "restarts": restarts.run_part}
 
 
 def machine() -> dict:
@@ -83,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="kill-during-save: one-process runs (default 20)")
     parser.add_argument("--runs-2proc", type=int, default=6,
                         help="kill-during-save: torchrun runs, tp=2 / dp=2 (default 6)")
-    parser.add_argument("--trials", type=int, default=10, help="corrupt: trials per kind (default 10)")
+    parser.add_argument("--trials", type=int, default=10,
+                        help="corrupt and other-run: trials per kind (default 10)")
     parser.add_argument("--kinds", nargs="+", choices=list(CORRUPTIONS), metavar="KIND",
                         help=f"corrupt: these kinds only ({', '.join(CORRUPTIONS)})")
     parser.add_argument("--jobs", type=int, default=5, help="restarts: torchrun jobs (default 5)")

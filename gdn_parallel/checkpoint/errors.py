@@ -12,6 +12,16 @@ class CheckpointUnreadable(CheckpointError):
     checksums say): the checkpoint is damaged, and `--resume auto` passes over it."""
 
 
+class CheckpointOfAnotherRun(CheckpointError):
+    """A checkpoint whose run id is not the run id of the train.out_dir it is resumed into (copied or
+    linked in from another run's out_dir): refused unless checkpoint.allow_other_run=true."""
+
+
+class CheckpointDeviceError(CheckpointError):
+    """Loading a checkpoint's tensors failed on the device (a CUDA error, out of memory), not in its
+    files: the checkpoint is not passed over as damaged; the run stops, naming the device's error."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, no permission): the partial one is removed and
     the earlier ones are intact; the message names the path, the space needed and free."""

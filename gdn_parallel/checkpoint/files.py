@@ -14,19 +14,32 @@ holds COMPLETE and ignores everything else.
 A rollback (resuming an older checkpoint into the run's own out_dir) starts a new line of the run:
 the complete checkpoints past the resumed step belong to the abandoned line, and are moved to
 `checkpoints/abandoned/<time>/` (kept, never resumed by `--resume auto`, never pruned).
+
+    <train.out_dir>/run_id.json                   the run's identity, written at its first step
+
+Every checkpoint records the run id in its trainer_state.json, so a checkpoint of another run copied
+or linked into an out_dir is told from the run's own (loading.run_identity). A checkpoint's files are
+read only from inside its directory: an entry that is a symbolic link out of it is refused
+(`links_out_of`).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
+
+from .errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 CONFIG_COPY = "config.yaml"
 ABANDONED = "abandoned"
+RUN_ID_FILE = "run_id.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -128,3 +141,50 @@ def set_aside_after(out_dir: str, step: int) -> list[Path]:
     for path in later:
         moved.append(Path(shutil.move(str(path), str(target / path.name))))
     return moved
+
+
+def run_id_file(out_dir: str) -> Path:
+    return Path(out_dir) / RUN_ID_FILE
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def read_run_record(out_dir: str) -> dict | None:
+    """<out_dir>/run_id.json: {"run_id", "created"} and, for a run begun from another run's checkpoint,
+    "resumed_from_run" and "resumed_from"; None when out_dir has none yet (a fresh out_dir, or one
+    written before runs had ids)."""
+    file = run_id_file(out_dir)
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        record, why = None, f"{type(err).__name__}: {err}"
+    else:
+        why = "no run_id string in it"
+    if not (isinstance(record, dict) and isinstance(record.get("run_id"), str) and record["run_id"]):
+        raise CheckpointError(f"{file} cannot be read ({why}); it names the run this train.out_dir holds: "
+                              f"restore it from a copy, or move it away to continue under a new run id")
+    return record
+
+
+def write_run_record(out_dir: str, record: dict) -> None:
+    """Write <out_dir>/run_id.json whole or not at all (a temporary file renamed over it)."""
+    file = run_id_file(out_dir)
+    partial = file.with_name(f"{file.name}.partial")
+    partial.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    os.replace(partial, file)
+
+
+def links_out_of(checkpoint: Path) -> list[tuple[str, Path]]:
+    """(name, target) of each entry of checkpoint directory `checkpoint` that is a symbolic link
+    resolving outside it. Its checksums would vouch for whatever file the link reaches (another run's,
+    or any file), so such a checkpoint is not read."""
+    root = Path(checkpoint).resolve()
+    found = []
+    for entry in sorted(Path(checkpoint).iterdir()):
+        if entry.is_symlink() and entry.resolve().parent != root:
+            found.append((entry.name, entry.resolve()))
+    return found

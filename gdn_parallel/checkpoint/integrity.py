@@ -80,7 +80,8 @@ class Damage:
 
 def read_manifest(directory: Path) -> dict[str, dict] | None:
     """The recorded checksums, or None when the checkpoint has none (written before they existed).
-    A damaged manifest is itself damage (raises ValueError naming it)."""
+    A damaged manifest is itself damage (raises ValueError naming it by its name in the checkpoint, as
+    Damage names a file: the caller's message names the checkpoint)."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         return None
@@ -91,9 +92,9 @@ def read_manifest(directory: Path) -> dict[str, dict] | None:
             isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sum64"), list)
             for e in files.values())
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} cannot be read ({type(err).__name__}: {err})") from None
+        raise ValueError(f"{MANIFEST} cannot be read ({type(err).__name__}: {err})") from None
     if not ok or data.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"{path} is not a version {MANIFEST_VERSION} checksum list")
+        raise ValueError(f"{MANIFEST} is not a version {MANIFEST_VERSION} checksum list")
     return files
 
 

@@ -5,13 +5,16 @@ written (integrity.py; each rank checks a share of the files), its index is read
 code (reading.py) and must hold every tensor the model and optimizer need, at their shapes. Every
 refusal is a CheckpointError that names the file and the newest checkpoint that verifies, raised on
 every rank alike (a collective). `--resume auto` passes over checkpoints that fail verification,
-saying so, and takes the newest that passes.
+saying so, and takes the newest that passes. A file linked out of the checkpoint's directory fails
+verification whatever its checksums say. Whose run a checkpoint continues is `run_identity`: the run
+id it records against the one <train.out_dir>/run_id.json names.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import random
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ..config import Config, ConfigError, ModelConfig
 from ..model import architecture_differences
 from . import files, integrity, ranks
-from .errors import CheckpointError, CheckpointUnreadable
+from .errors import CheckpointDeviceError, CheckpointError, CheckpointOfAnotherRun, CheckpointUnreadable
 from .reading import (
     SafeFileSystemReader,
     TensorsOnlyLoadPlanner,
@@ -70,10 +73,16 @@ UNVERIFIED_FIX = "if you trust it, --set checkpoint.verify=false loads it unveri
 def verify(path: Path, data: bool = True, unverified_ok: bool = False,
            fix: str = UNVERIFIED_FIX) -> str | None:
     """None when checkpoint `path` matches its recorded checksums, else what is wrong, e.g.
-    "__1_0.distcp: checksum mismatch (...)". A checkpoint that records none (deleted, or written
-    before checksums existed) is wrong too, unless `unverified_ok`; `fix` says how to accept it.
+    "__1_0.distcp: checksum mismatch (...)". A file that is a symbolic link out of the checkpoint is
+    wrong whatever the checksums say (files.links_out_of). A checkpoint that records none (deleted,
+    or written before checksums existed) is wrong too, unless `unverified_ok`; `fix` says how to accept it.
     `data=False` checks all but the tensor data files (quick: what is read before the tensors). A
     collective."""
+    links = files.links_out_of(Path(path))
+    if links:
+        name, target = links[0]
+        return (f"{name}: a symbolic link to {target}, outside the checkpoint directory; a checkpoint's "
+                f"files are read only from inside it: copy the file itself in (cp -L) if you trust it")
     recorded, problem = _manifest(path)
     if problem is not None:
         return problem
@@ -253,6 +262,98 @@ def check_compatible(saved: dict[str, Any], config: Config) -> None:
                           f"saved with (its config.yaml) or start a new train.out_dir")
 
 
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run id checkpoint `path` records (trainer_state.json), None for one written before runs had
+    ids or by a converter."""
+    run_id = read_trainer_state(path).get("run_id")
+    if run_id is not None and not (isinstance(run_id, str) and run_id):
+        raise CheckpointUnreadable(f"{Path(path) / files.TRAINER_STATE}: run_id {run_id!r} is not a run id; "
+                                   f"the checkpoint is damaged: take another one")
+    return run_id
+
+
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """The run a train.out_dir holds, as a start or resume settles it (run_identity)."""
+    run_id: str
+    resumed_from_run: str | None = None   # the other run whose checkpoint this run continues
+    new_record: dict | None = None        # run_id.json to write (the out_dir had none)
+    said: str = ""                        # what the resume line adds ('' : nothing to say)
+
+    def checkpoint_entries(self) -> dict[str, str]:
+        """What every checkpoint of the run records of it (trainer_state.json)."""
+        return {"run_id": self.run_id,
+                **({"resumed_from_run": self.resumed_from_run} if self.resumed_from_run else {})}
+
+
+NO_RUN_ID = "the checkpoint records no run id (written before runs had ids, or by a converter)"
+
+
+def run_identity(out_dir: str, checkpoint: Path | None, allow_other_run: bool = False,
+                 resume: str | None = None) -> RunIdentity:
+    """Whose run continues in train.out_dir from `checkpoint` (None: a start from step 0). The out_dir's
+    run id is <out_dir>/run_id.json; an out_dir without one (a fresh one) gets a new id, whatever
+    checkpoint it starts from. A checkpoint of the out_dir's run, of the run it began from, or without
+    a run id resumes; another run's is refused (CheckpointOfAnotherRun: a step directory copied, linked
+    or replaced from another run's out_dir), unless `allow_other_run`. Reads only; nothing is written."""
+    if not out_dir:   # nothing to compare with, and no checkpoint is saved
+        return RunIdentity(files.new_run_id())
+    ours = files.read_run_record(out_dir)
+    theirs = checkpoint_run_id(checkpoint) if checkpoint is not None else None
+    if ours is None:
+        return _new_run(out_dir, checkpoint, theirs)
+    run_id, origin = ours["run_id"], ours.get("resumed_from_run")
+    if checkpoint is None or theirs == run_id:
+        return RunIdentity(run_id, origin)
+    if theirs is None:
+        return RunIdentity(run_id, origin, said=f"{NO_RUN_ID}: resumed as run {run_id}")
+    if theirs == origin:
+        return RunIdentity(run_id, origin, said=f"a checkpoint of run {theirs}, which this train.out_dir's "
+                                                f"run {run_id} began from: resumed as run {run_id}")
+    if allow_other_run:
+        return RunIdentity(run_id, theirs, said=f"a checkpoint of another run, {theirs}: resumed into run "
+                                                f"{run_id} (checkpoint.allow_other_run=true)")
+    raise _other_run_refusal(out_dir, checkpoint, theirs, run_id, resume)
+
+
+def _new_run(out_dir: str, checkpoint: Path | None, theirs: str | None) -> RunIdentity:
+    """The identity of a run whose out_dir has no run id yet: a new id, and the run it began from."""
+    run_id = files.new_run_id()
+    record = {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if checkpoint is None:
+        return RunIdentity(run_id, new_record=record)
+    file = files.run_id_file(out_dir)
+    if theirs is None:
+        return RunIdentity(run_id, new_record=record, said=f"{NO_RUN_ID}: continued as run {run_id}, new "
+                                                           f"in this train.out_dir ({file})")
+    record.update(resumed_from_run=theirs, resumed_from=str(checkpoint))
+    said = f"a checkpoint of run {theirs}: continued as run {run_id}, new in this train.out_dir ({file})"
+    return RunIdentity(run_id, theirs, record, said)
+
+
+def _other_run_refusal(out_dir: str, checkpoint: Path, theirs: str, run_id: str,
+                       resume: str | None) -> CheckpointOfAnotherRun:
+    """The one-line refusal of another run's checkpoint: both ids, where it points, and the ways on."""
+    link = (f"; {checkpoint} is a symbolic link to {Path(checkpoint).resolve()}"
+            if Path(checkpoint).is_symlink() else "")
+    own = [path for path in files.complete_checkpoints(out_dir) if _run_id_or_none(path) == run_id]
+    newest = f"; this run's newest checkpoint is {own[-1]} (--resume {own[-1]})" if own else ""
+    how = "--resume auto: " if resume == "auto" else ""
+    return CheckpointOfAnotherRun(
+        f"{how}{checkpoint} is a checkpoint of another run: it records run id {theirs}, this "
+        f"train.out_dir's run is {run_id} ({files.run_id_file(out_dir)}){link}. Resumed here it would "
+        f"continue this run from another run's state (a step directory copied or linked in from another "
+        f"run, or a path to one): set --set checkpoint.allow_other_run=true to do that on purpose, or "
+        f"resume it into a new train.out_dir{newest}")
+
+
+def _run_id_or_none(path: Path) -> str | None:
+    try:
+        return checkpoint_run_id(path)
+    except CheckpointError:   # a damaged checkpoint is no run's newest
+        return None
+
+
 def _check_index(path: Path, targets: dict[str, torch.Tensor]) -> None:
     """Every tensor to load is in the checkpoint's index at its global shape (else name them)."""
     entries = read_metadata(path).state_dict_metadata
@@ -305,6 +406,9 @@ def load(path: Path, named_params: list[tuple[str, nn.Parameter]], optimizer, di
         problem = _first(checking.result())
     if problem is not None:
         raise CheckpointDamaged(path, problem)
+    device_error = _device_error(failure)
+    if device_error is not None:   # the files are intact: no older checkpoint is the fix
+        raise CheckpointDeviceError(f"loading {path}: {device_error}") from None
     if failure is not None:  # its checksums match (rewritten with it?): unreadable all the same
         raise CheckpointDamaged(path, ranks.describe(failure)) from None
     apply_loaded(named_params, optimizer, targets)
@@ -314,6 +418,18 @@ def load(path: Path, named_params: list[tuple[str, nn.Parameter]], optimizer, di
     ranks.agree(lambda: set_rng_state(_read_rng(rng_file)) if restore else None,
                 lambda problem: CheckpointDamaged(path, problem))
     return saved
+
+
+def _device_error(failure: BaseException | None) -> str | None:
+    """The device error a failed load carries (CheckpointDeviceError, on this rank or, wrapped by DCP,
+    on any), or None."""
+    if isinstance(failure, CheckpointDeviceError):
+        return str(failure)
+    if isinstance(failure, CheckpointException):
+        for rank, (error, _trace) in sorted(failure.failures.items()):
+            if isinstance(error, CheckpointDeviceError):
+                return f"on rank {rank}: {error}"
+    return None
 
 
 def _read_rng(file: Path) -> dict:

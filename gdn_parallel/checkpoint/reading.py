@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from .errors import CheckpointError, CheckpointUnreadable
+from .errors import CheckpointDeviceError, CheckpointError, CheckpointUnreadable
 from .ranks import describe
 
 METADATA_FILE = ".metadata"
@@ -113,6 +113,7 @@ def unreadable_tensors(path, names) -> str | None:
     for name, offset, length in items:
         file = Path(path) / name
         try:
+            inside_checkpoint(file, Path(path))
             with open(file, "rb") as handle:
                 handle.seek(offset)
                 data = handle.read(length)
@@ -126,9 +127,30 @@ def unreadable_tensors(path, names) -> str | None:
     return None
 
 
+def inside_checkpoint(file: Path, checkpoint: Path) -> None:
+    """Refuse a data file that resolves outside its checkpoint directory (a symbolic link out): the
+    checksums checked would vouch for another file. loading.verify refuses such a checkpoint before
+    its tensors are read; this keeps DCP's reader to the directory too."""
+    target = Path(file).resolve()
+    if target.parent != Path(checkpoint).resolve():
+        raise CheckpointUnreadable(f"{file} resolves to {target}, outside the checkpoint directory; a "
+                                   f"checkpoint's files are read only from inside it")
+
+
 def unsafe_tensor_data(file, err: BaseException) -> str:
     """The refusal of a data file whose bytes are not a tensor torch's weights_only loader reads."""
     return f"{file} does not hold tensor data that can be read safely ({describe(err)})"
+
+
+# Errors of the device the tensors are copied to: they say nothing of the file being read.
+DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    kind for kind in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError) if kind is not None)
+
+
+def device_failure(file, err: BaseException) -> str:
+    """The refusal of a load whose copy of `file`'s tensors to the device failed."""
+    return (f"copying the tensors of {file} to the device failed ({describe(err)}): an error of the device, "
+            f"not of the checkpoint's files (CUDA_LAUNCH_BLOCKING=1 names the failing call)")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -152,6 +174,7 @@ class SafeFileSystemReader(FileSystemReader):
         @contextlib.contextmanager
         def recording(path, mode):
             opened.append(Path(path).name)
+            inside_checkpoint(Path(path), Path(self.path))
             with create_stream(path, mode) as stream:
                 yield stream
 
@@ -161,6 +184,9 @@ class SafeFileSystemReader(FileSystemReader):
                 return super().read_data(plan, planner)
         except CheckpointError:
             raise
+        except DEVICE_ERRORS as err:   # the copy into the model's tensors, not the file's bytes
+            file = opened[-1] if opened else "a data file"
+            raise CheckpointDeviceError(device_failure(file, err)) from None
         except Exception as err:
             raise CheckpointUnreadable(unsafe_tensor_data(opened[-1] if opened else "a data file",
                                                           err)) from None

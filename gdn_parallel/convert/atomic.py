@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..config import creation_problem
 from .errors import ConvertError
 
 
@@ -16,6 +17,26 @@ def refuse_existing(path: Path) -> None:
     if Path(path).exists():
         raise ConvertError(f"{path} already exists; remove it or choose another output path (nothing is "
                            f"overwritten)")
+
+
+def check_new_output(path, argument: str) -> None:
+    """Before anything is read: the output `path` (the command's `argument`, e.g. OUT_DIR) must not
+    exist (the converters overwrite nothing) and must be creatable, so that a bad path is refused at
+    once, not after the checkpoint was read."""
+    path = Path(path)
+    if path.exists() or path.is_symlink():
+        kind = "a directory" if path.is_dir() else "a file"
+        raise ConvertError(f"{argument} {path} already exists ({kind}); remove it or choose another path "
+                           f"(nothing is overwritten)")
+    check_creatable(path, argument)
+
+
+def check_creatable(path, argument: str) -> None:
+    """ConvertError naming `argument` when `path` could not be created (config.creation_problem)."""
+    problem = creation_problem(path)
+    if problem is not None:
+        raise ConvertError(f"{argument} {path} cannot be created: {problem}; choose a path in a directory "
+                           f"you can write")
 
 
 def _remove(path: Path) -> None:

@@ -19,7 +19,7 @@ from ..data import TokenBatches, check_vocabulary, load_dataset
 from ..data.dataset import data_field
 from ..data.tokenizer_record import TOKENIZER_INFO, tokenizer_files
 from ..model import HybridLM, check_layers
-from .atomic import new_directory, new_file
+from .atomic import check_new_output, new_directory, new_file
 from .dcp_io import read_model, write_checkpoint
 from .errors import ConvertError
 from .hf_format import (
@@ -72,6 +72,7 @@ def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHAR
           say: Callable[[str], None] | None = None) -> Path:
     """The weights, config.json and the tokenizer the checkpoint carries (hf_tokenizer.py); `say` is
     told which tokenizer the export holds."""
+    check_new_output(out_dir, "OUT_DIR")
     max_bytes = parse_size(shard_size)
     source, model, tensors, _ = _checkpoint_model(checkpoint)
     tokenizer, tokenizer_json = read_checkpoint_tokenizer(source)
@@ -88,6 +89,7 @@ def to_hf(checkpoint, out_dir, dtype: str = KEEP, shard_size: str = DEFAULT_SHAR
 
 
 def to_torch(checkpoint, out_file, dtype: str = KEEP) -> Path:
+    check_new_output(out_file, "FILE")
     source, model, tensors, _ = _checkpoint_model(checkpoint)
     with new_file(Path(out_file)) as temporary:
         torch.save({"model": cast(tensors, dtype), "config": dataclasses.asdict(model)}, temporary)
@@ -142,6 +144,7 @@ def _write_new_checkpoint(out, tensors: dict[str, torch.Tensor], source_model: M
 
 def from_hf(hf_dir, out_checkpoint, config_file: str | None = None, overrides: Sequence[str] = (),
             dtype: str = KEEP) -> Path:
+    check_new_output(out_checkpoint, "OUT_CHECKPOINT")
     folder = Path(hf_dir)
     hf = read_hf_config(folder)
     where = str(folder / CONFIG_FILE)
@@ -217,6 +220,7 @@ def _is_state_dict(data) -> bool:
 
 def from_torch(torch_file, out_checkpoint, config_file: str | None = None, overrides: Sequence[str] = (),
                dtype: str = KEEP) -> Path:
+    check_new_output(out_checkpoint, "OUT_CHECKPOINT")
     model, tensors = read_torch_file(torch_file)
     source_name = str(torch_file)
     if model is None:  # a bare state dict: the model is --config's

@@ -11,6 +11,7 @@ the checkpoint is saved again from this layout (CheckpointSaver: <out>/checkpoin
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -20,16 +21,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint import CheckpointSaver, load_checkpoint, read_trainer_state
-from ..checkpoint.files import CONFIG_COPY, final_path
+from ..checkpoint.files import CONFIG_COPY, final_path, write_run_record
 from ..checkpoint.manager import LAYOUT_DEGREES, layout_record
 from ..checkpoint.state import MODEL, OPTIM
-from ..config import Config, ConfigError, parse_override
+from ..config import Config, ConfigError, creation_problem, parse_override
 from ..model import build_model, check_layers
 from ..parallel.mesh import MESH_DIMS, build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank
 from ..parallel.tensor import tp_shard_dim
 from ..runtime.session import is_launched, process_group
+from .atomic import check_creatable
 from .dcp_io import read_tensors, resolve_checkpoint, tensor_entries
 from .errors import ConvertError
 from .hf_tokenizer import carried_files
@@ -90,6 +92,7 @@ def run_config(config: Config, saved_dp: int, overrides: list[str]) -> tuple[Con
 
 def reshard(checkpoint, layout: str, out_dir: str | None = None, report: str = "reshard_report.json",
             print_fn=print, overrides: Sequence[str] = ()) -> int:
+    _check_output_paths(out_dir, report)
     source = resolve_checkpoint(checkpoint)
     saved = read_trainer_state(source)
     config = layout_config(saved.get("config", {}), layout)
@@ -112,6 +115,23 @@ def reshard(checkpoint, layout: str, out_dir: str | None = None, report: str = "
             for note in notes:
                 print_fn(note)
         return _reshard(source, saved, config, device, out_dir, report, print_fn)
+
+
+def _check_output_paths(out_dir: str | None, report: str) -> None:
+    """Before the checkpoint is read: the report file (rewritten when it exists) and --out (a run
+    directory, new or existing) can be written."""
+    if Path(report).is_dir():
+        raise ConvertError(f"--report {report} is a directory; give a file path (e.g. "
+                           f"{Path(report) / 'reshard_report.json'})")
+    check_creatable(report, "--report")
+    if not out_dir:
+        return
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConvertError(f"--out {out_dir} is a file; give a directory (the run to save into)")
+    problem = creation_problem(Path(out_dir) / CONFIG_COPY)   # probes out_dir, or where it will be made
+    if problem is not None:
+        raise ConvertError(f"--out {out_dir} cannot be written: {problem}; choose a directory you can "
+                           f"write")
 
 
 def _check_out(out_dir: str, source: Path, step: int) -> None:
@@ -216,10 +236,17 @@ def _save_again(out_dir: str, source: Path, saved: dict, config: Config, named, 
     step = int(saved.get("step", 0))
     config = Config.from_dict(config.to_dict())
     config.train.out_dir = str(out_dir)
+    # The same run under another layout: its run id goes along, in the checkpoint and as the run id
+    # of out_dir, so that resuming there continues that run (checkpoint/loading.py run_identity).
+    run_id = saved.get("run_id")
     if dist.get_rank() == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / CONFIG_COPY).write_text(config.to_yaml(), encoding="utf-8")
+        if isinstance(run_id, str) and run_id:
+            write_run_record(out_dir, {"run_id": run_id, "resharded_from": str(source),
+                                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     saver = CheckpointSaver(out_dir, attachments=carried_files(source))   # the tokenizer goes along
+    identity = {"run_id": run_id} if isinstance(run_id, str) and run_id else {}
     saver.save(step, named, optimizer, dims, config, saved.get("data", {}).get("stream", {}),
-               resharded_from=str(source))
+               resharded_from=str(source), **identity)
     return str(final_path(out_dir, step))

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import BYTE_VOCAB_SIZE, ConfigError
+from ..config import BYTE_VOCAB_SIZE, ConfigError, what_is_at
 from .prepared import is_prepared_dir
 from .text_files import describe_skipped, is_text, list_text_files, read_file, walk
 
@@ -90,9 +90,9 @@ def load_corpus(data_config) -> Corpus:
     """Read a byte source (`data.source`: stdlib, a directory, a file or a glob) into a train /
     validation Corpus of byte documents.
 
-    Raises ConfigError (a ValueError) naming `data.source` when the source does not exist, yields no
-    readable, non-empty text document, or is a prepared dataset (read those with
-    gdn_parallel.data.load_dataset).
+    Raises ConfigError (a ValueError) naming `data.source` when the source does not exist or is neither
+    a directory nor a regular file (a device, a pipe: said which), yields no readable, non-empty text
+    document, or is a prepared dataset (read those with gdn_parallel.data.load_dataset).
     """
     source = data_config.source
     if is_prepared_dir(source):
@@ -103,10 +103,10 @@ def load_corpus(data_config) -> Corpus:
         files = list_source_files(source)
     else:
         listing = list_text_files(source, data_config.suffixes)
-        if listing is None:
-            raise ConfigError(f"data.source={source!r} does not exist: give 'stdlib', a directory or file "
-                              f"of text, a glob pattern (e.g. 'corpus/**/*.txt') or a directory written "
-                              f"by gdn-prepare-data")
+        if listing is None:  # neither a directory nor a regular file: say what it is
+            raise ConfigError(f"data.source={source!r} {what_is_at(Path(source).expanduser())}: give "
+                              f"'stdlib', a directory or file of text, a glob pattern (e.g. "
+                              f"'corpus/**/*.txt') or a directory written by gdn-prepare-data")
         files, suffix_skipped = listing.files, listing.suffix_skipped
     for name, path in files:
         data = read_file(path)

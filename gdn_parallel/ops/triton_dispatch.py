@@ -70,9 +70,12 @@ def check_triton_input(x: torch.Tensor, name: str, fallback: str) -> ModuleType:
 
 
 def check_kernel_config(model: ModelConfig, on_cuda: bool) -> None:
-    """What a configuration asks of the Triton GDN kernels, checked at start-up, before a model is
-    built (ConfigError naming the field): the chunk length they are built for, that impl='triton'
-    can run here at all."""
+    """What a training configuration asks of the ops on this machine, checked at start-up, before a
+    model is built (ConfigError naming the field): of the Triton GDN kernels, the chunk length they are
+    built for and that impl='triton' can run here at all; of attention, a backward where it trains."""
+    if model.attn_impl == "flex" and not on_cuda:
+        raise ConfigError("model.attn_impl='flex' cannot train on the CPU: FlexAttention has no backward "
+                          "there; set model.attn_impl=sdpa (or auto: sdpa on the CPU, flex on CUDA)")
     impl = model.gdn_impl
     runs_kernels = impl == "triton" or (impl == "auto" and on_cuda)
     if impl == "triton" and not on_cuda:

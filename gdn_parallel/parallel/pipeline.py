@@ -40,7 +40,7 @@ from ..model.loss import lm_head_loss
 from ..model.sequence import SequenceInfo
 
 __all__ = ["Microbatch", "PipelineRunner", "StageModule", "as_microbatch", "build_pipeline",
-           "stage_costs", "stage_ids_for_rank", "stage_layer_ranges"]
+           "stage_costs", "stage_ids_for_rank", "stage_layer_ranges", "uneven_split_line"]
 
 DEFAULT_BALANCE_SEQ_LEN = 4096
 
@@ -150,6 +150,24 @@ def parts_of_rank(model_config: ModelConfig, parallel_config: ParallelConfig, pp
         if stage == num_stages - 1:
             parts.update(("norm", "lm_head"))
     return parts
+
+
+def uneven_split_line(model_config: ModelConfig, parallel_config: ParallelConfig,
+                      seq_len: int = DEFAULT_BALANCE_SEQ_LEN) -> str | None:
+    """A start-up line saying how the layers were split over the pipeline stages, when the stages hold
+    different numbers of layers (e.g. 3 over pp=2, or a split the costs tilted); None when even."""
+    if parallel_config.pp == 1:
+        return None
+    virtual = stages_per_rank(parallel_config)
+    ranges = stage_layer_ranges(model_config, parallel_config.pp * virtual, seq_len)
+    if len({end - start for start, end in ranges}) == 1:
+        return None
+    stages = ", ".join(
+        f"stage {stage}" + (f" (pp rank {stage % parallel_config.pp})" if virtual > 1 else "")
+        + f": layer{'s' if end - start > 1 else ''} {start}" + (f"-{end - 1}" if end - start > 1 else "")
+        for stage, (start, end) in enumerate(ranges))
+    return (f"pipe  | model.n_layers={model_config.n_layers} over {len(ranges)} stages, unevenly (balanced "
+            f"by cost; the embeddings weigh on the first stage, the lm_head on the last): {stages}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, TrainConfig
+from .waiting import waiting_line, waiting_notices
 
 DEFAULT_MASTER_PORT = 29500
 # Slurm's default port: SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, below Linux's ephemeral ports (32768+).
@@ -138,13 +139,12 @@ def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_t
     if cuda:
         torch.cuda.set_device(device)
     backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
+    address = f"{env.master_addr}:{env.master_port}"
     try:
-        store = _store_of_this_attempt(env, timeout)
-        if store is None:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=timeout)
+        # A rank whose peers have not started says so while it waits (runtime/waiting.py).
+        with waiting_notices(lambda waited: waiting_line(env.rank, env.world_size, address, waited,
+                                                         timeout_s)):
+            _join(env, backend, timeout, device)
     except RuntimeError as err:  # the store's and the backends' errors (torch.distributed.DistError, gloo's)
         raise GroupJoinError(f"{env}: could not join the process group within train.collective_timeout_s="
                              f"{timeout_s:g} s: {err}\n{restart_advice()}") from err
@@ -153,6 +153,21 @@ def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_t
         os.environ["OMP_NUM_THREADS"] = str(threads)   # for child processes, as torchrun's export
         torch.set_num_threads(threads)
     return device
+
+
+def _join(env: LaunchEnv, backend: str, timeout: timedelta, device: torch.device) -> None:
+    """Form the group and meet every peer once: NCCL connects lazily, at the first collective, so the
+    barrier ends the start-up wait here on every backend."""
+    store = _store_of_this_attempt(env, timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
 
 
 def cpu_threads_per_process(env: LaunchEnv, environ: Mapping[str, str] | None = None,

@@ -14,10 +14,11 @@ and exits 0; --help names the sections. Both read each field's declaration in gd
 as the validation errors do.
 
 Steps and warmup, one rule for `--steps N` and `--set train.steps=N`: when the command line sets
-train.steps but not train.warmup_steps and the config's warmup is longer than the new step count,
-the warmup is shortened to steps // 10 and a note on stderr says so. A warmup longer than the steps
-that the user chose together (both on the command line, or both in the YAML file) is an error
-naming both fields.
+train.steps but not train.warmup_steps and the config's warmup does not fit the new step count (longer,
+or under the cosine schedule as long: it needs one update to decay in), the warmup is shortened to
+steps // 10 and the run's first line (`note  | ...`, on stdout; stderr under --print-config) says so. A
+warmup that does not fit the steps the user chose together (both on the command line, or both in the
+YAML file) is an error naming both fields.
 
 Exit status (each process's; under torchrun, torchrun itself exits 1 when a worker fails and lists
 the workers' statuses), after one line on stderr that says what happened and what to do:
@@ -45,6 +46,7 @@ import argparse
 import errno
 import faulthandler
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import NoReturn
@@ -102,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(args) -> Config:
-    """The validated config of a parsed command line (steps and warmup: see the module docstring)."""
+def load_config(args, say: Callable[[str], None] | None = None) -> Config:
+    """The validated config of a parsed command line (steps and warmup: see the module docstring).
+    `say` is told what was adjusted (default: printed on stdout by the first process)."""
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")  # last: --steps wins over --set train.steps
@@ -111,14 +114,19 @@ def load_config(args) -> Config:
     set_on_command_line = {".".join(parse_override(item)[:2]) for item in overrides}
     train = config.train
     if ("train.steps" in set_on_command_line and "train.warmup_steps" not in set_on_command_line
-            and 0 < train.steps < train.warmup_steps):
+            and 0 < train.steps and train.warmup_steps > train.longest_warmup):
         shortened = train.steps // 10
-        if _is_first_process():
-            print(f"note: the config's train.warmup_steps={train.warmup_steps} exceeds "
-                  f"train.steps={train.steps} set on the command line; warmup shortened to {shortened} "
-                  f"(give --set train.warmup_steps=N to choose)", file=sys.stderr)
+        (say or _say_first_process)(
+            f"note  | train.warmup_steps={train.warmup_steps} of the config does not fit train.steps="
+            f"{train.steps} set on the command line: the warmup is shortened to {shortened} update(s) "
+            f"(steps // 10); to choose it, give --set train.warmup_steps=N (at most {train.longest_warmup})")
         train.warmup_steps = shortened
     return config.validate()
+
+
+def _say_first_process(line: str) -> None:
+    if _is_first_process():
+        print(line, flush=True)
 
 
 def _is_first_process() -> bool:
@@ -146,14 +154,19 @@ def run(argv: list[str] | None = None) -> dict:
     if args.help_config is not None:  # the declared defaults: no config file is read
         sys.stdout.write(fields_table(None if args.help_config == "all" else args.help_config))
         raise SystemExit(0)
+    notes: list[str] = []
     try:
-        config = load_config(args)
+        config = load_config(args, notes.append)
     except ConfigError as err:
         parser.error(str(err))
-    if args.print_config:
+    if args.print_config:  # stdout is a config file: the notes go to stderr
+        for note in notes:
+            print(note, file=sys.stderr)
         command = " ".join(["gdn-train", *(sys.argv[1:] if argv is None else argv)])
         sys.stdout.write(commented_yaml(config, f"the resolved config of: {command}"))
         raise SystemExit(0)
+    for note in notes:   # the run's first lines
+        _say_first_process(note)
     from ..runtime.launch_env import GroupJoinError
     from ..runtime.session import PeerLost, is_launched
     from .trainer import TrainingDiverged, run_training

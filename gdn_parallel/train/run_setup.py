@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import (
+    CheckpointError,
     CheckpointSaver,
     complete_checkpoints,
     load_checkpoint,
+    ranks,
     read_trainer_state,
     resolve_resume,
 )
-from ..checkpoint.files import CONFIG_COPY, set_aside_after
-from ..checkpoint.loading import CheckpointDamaged, pass_over, whole_problem
+from ..checkpoint.files import CONFIG_COPY, set_aside_after, write_run_record
+from ..checkpoint.loading import CheckpointDamaged, RunIdentity, pass_over, run_identity, whole_problem
 from ..checkpoint.manager import layout_record
 from ..config import Config, ConfigError
 from ..data import TokenBatches, check_vocabulary, load_dataset
@@ -32,7 +34,7 @@ from ..model import HybridLM, build_model, residual_stream_dtype
 from ..ops.triton_dispatch import check_kernel_config
 from ..parallel.mesh import build_mesh
 from ..parallel.parallelize import parallelize
-from ..parallel.pipeline import parts_of_rank
+from ..parallel.pipeline import parts_of_rank, uneven_split_line
 from .evaluation import validation_text_bytes
 from .memory_model import PREDICTION_ERROR, predict_peak, settings_that_fit
 from .optim import autocast_dtype, build_optimizer
@@ -127,7 +129,8 @@ def _check_data_size(dataset, config: Config) -> None:
 
 def _resume_point(resume: str | None, config: Config, say) -> Path | None:
     """The checkpoint to resume (verified; a collective), after the checks that need no model: a run
-    already at train.steps, and a fresh run into an out_dir that holds another run's checkpoints."""
+    already at train.steps, a fresh run into an out_dir that holds another run's checkpoints, and
+    another run's checkpoint resumed into this out_dir (loading.run_identity)."""
     train = config.train
     if not resume and train.out_dir and complete_checkpoints(train.out_dir):
         newest = complete_checkpoints(train.out_dir)[-1]
@@ -136,7 +139,11 @@ def _resume_point(resume: str | None, config: Config, say) -> Path | None:
                           f"train.out_dir (or delete {newest.parent})")
     unverified_ok = not config.checkpoint.verify
     checkpoint = resolve_resume(resume, train.out_dir, say, unverified_ok)
-    while checkpoint is not None and read_trainer_state(checkpoint)["step"] >= train.steps:
+    while checkpoint is not None:
+        # Read-only on every rank: run_id.json is written only once the checkpoint is loaded (_resume).
+        run_identity(train.out_dir, checkpoint, config.checkpoint.allow_other_run, resume)
+        if read_trainer_state(checkpoint)["step"] < train.steps:
+            break
         # It would end the run unread: verified whole first, so that a damaged one does not pass for it.
         problem = whole_problem(checkpoint, unverified_ok)
         if problem is None:
@@ -192,6 +199,9 @@ def _announce(run: RunState, dataset) -> None:
         say(f"mesh  | pp {pc.pp} x dp {pc.dp} x cp {pc.cp} x tp {pc.tp} ({pc.data_parallel}, "
             f"cp {pc.cp_algorithm}, sp {pc.sequence_parallel}, {train.microbatches} micro-batches) on "
             f"{world} {run.device.type} processes")
+        split = uneven_split_line(config.model, pc, train.seq_len)
+        if split is not None:
+            say(split)
     say(f"train | device {run.device} | dtype {train.dtype} | threads {torch.get_num_threads()} | "
         f"{train.steps} steps x {train.batch_size} x {train.seq_len} tokens | lr {train.lr:g} "
         f"{train.lr_schedule} warmup {train.warmup_steps}")
@@ -229,16 +239,19 @@ def _resume(run: RunState, checkpoint: Path | None, resume: str | None) -> bool:
     if resume and checkpoint is None:
         run.say(f"resume | no checkpoint under {train.out_dir}/checkpoints yet: starting from step 0")
     if checkpoint is None:
+        _settle_identity(run, None, resume)
         return False
     here = layout_record(run.config, dist.get_world_size())
     checkpoint, saved = _load(run, checkpoint, resume, here)
+    identity = _settle_identity(run, checkpoint, resume)
     run.start_step = int(saved["step"])
     run.last_step = run.start_step - 1
     run.resumed_from = checkpoint
     check_resumed_schedule(saved["config"], train, run.start_step, run.say)
     run.batches.load_state_dict(saved["data"]["stream"])
     run.say(f"resume | {checkpoint} | step {run.start_step}"
-            + ("" if saved.get("layout") == here else f" | saved under {saved.get('layout')}"))
+            + ("" if saved.get("layout") == here else f" | saved under {saved.get('layout')}")
+            + (f" | {identity.said}" if identity.said else ""))
     _roll_back(train.out_dir, run.start_step, run.say)
     return True
 
@@ -257,6 +270,26 @@ def _load(run: RunState, checkpoint: Path, resume: str | None, here: dict):
                 raise
             checkpoint = pass_over(checkpoint, damaged.problem, run.config.train.out_dir, run.say,
                                    not run.config.checkpoint.verify)
+
+
+def _settle_identity(run: RunState, checkpoint: Path | None, resume: str | None) -> RunIdentity:
+    """The run's identity (loading.run_identity), decided by rank 0, which writes run_id.json where the
+    out_dir has none yet, and given to every rank (a collective): each checkpoint records it. Decided
+    after the load: a checkpoint passed over while loading is not the one resumed, and another run's
+    checkpoint reached that way is refused here, before anything is trained or written."""
+    config = run.config
+
+    def decide() -> RunIdentity | None:
+        if dist.get_rank() != 0:
+            return None
+        identity = run_identity(config.train.out_dir, checkpoint, config.checkpoint.allow_other_run, resume)
+        if identity.new_record is not None:
+            write_run_record(config.train.out_dir, identity.new_record)
+        return identity
+    mine = ranks.agree(decide, CheckpointError)
+    identity = ranks.gathered(mine)[0]
+    run.checkpoint_entries = identity.checkpoint_entries()
+    return identity
 
 
 def _roll_back(out_dir: str, step: int, say) -> None:

@@ -54,6 +54,7 @@ class RunState:
     profiler: StepProfiler | None = None    # train.profile_steps (a no-op without them)
     start_step: int = 0                 # a resumed run's checkpoint step
     resumed_from: Path | None = None    # the checkpoint a resumed run loaded
+    checkpoint_entries: dict = field(default_factory=dict)   # the run's id, for every trainer_state.json
     last_step: int = -1                 # the step run last (start_step - 1 before the first)
     skipped_in_row: int = 0             # non-finite steps in a row, skipped
     pending: StepOutcome | None = None  # the last step, until the host books it (trainer._settle)

@@ -9,7 +9,9 @@ Every schedule starts with the same linear warmup, lr * (step + 1) / warmup_step
               shape(p) = 1 - sqrt(p) (decay_shape 1-sqrt) or 1 - p (linear)
     constant  lr
 
-p is clamped to [0, 1]: cosine and wsd reach min_lr at the last update, steps - 1, and stay there.
+p is clamped to [0, 1]: cosine and wsd reach min_lr at the last update, steps - 1, and stay there. A
+cosine with a single update after the warmup (steps == warmup + 1, steps == 1 without warmup) takes
+min_lr there, its last; a warmup as long as the run is refused (config.TrainConfig.validate).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from ..config import ConfigError, TrainConfig
 def _cosine(step: int, train: TrainConfig) -> float:
     min_lr = train.lr * train.min_lr_ratio
     decay_steps = train.steps - train.warmup_steps - 1
-    if decay_steps <= 0:
-        return train.lr
-    progress = min(max((step - train.warmup_steps) / decay_steps, 0.0), 1.0)
+    if decay_steps <= 0:  # the one update after the warmup is the run's last: min_lr, as every run ends
+        progress = 1.0
+    else:
+        progress = min(max((step - train.warmup_steps) / decay_steps, 0.0), 1.0)
     return min_lr + 0.5 * (train.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 

@@ -219,7 +219,7 @@ def _save(run: RunState, step: int) -> None:
                 f"written from them; resume the newest checkpoint (--resume auto)")
         # The stream's position is the same on every rank: the global token count consumed.
         where = str(run.saver.save(step + 1, run.parallel.named_parameters(), run.optimizer, run.dims,
-                                   run.config, run.batches.state_dict()))
+                                   run.config, run.batches.state_dict(), **run.checkpoint_entries))
         run.say(f"save  | {where}"
                 + (" (writing in the background)" if run.config.checkpoint.async_save else ""))
         run.logger.record({"step": step, "checkpoint": where})

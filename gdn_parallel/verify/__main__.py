@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, creation_problem
 from ..ops.triton_dispatch import check_kernel_config
 from ..runtime import detect_launch_env, process_group, strip_launcher_args
 from .batches import MIN_ROW_TOKENS, verification_batch
@@ -182,6 +182,8 @@ def _request(args: argparse.Namespace, world: int) -> VerifyRequest:
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
         raise ConfigError(f"--tolerance {args.tolerance} must be a positive number (a relative error bound, "
                           f"e.g. 1e-5)")
+    if not args.list:   # --list writes nothing
+        _check_json_path(args.json)
     config = Config.from_yaml(resolve_config_path(args.config), args.overrides)
     seq_len = args.seq_len or config.train.seq_len
     steps = args.steps if args.steps is not None else (SAVED_AFTER + 1 if args.checkpoint else 1)
@@ -194,6 +196,19 @@ def _request(args: argparse.Namespace, world: int) -> VerifyRequest:
     layouts = layouts_to_run(args.layouts, world, config.model, args.rows * seq_len)
     faults = _faults(args.inject_fault, [l for l, reason in layouts if reason is None], args.checkpoint)
     return VerifyRequest(args, config, world, seq_len, steps, layouts, faults)
+
+
+def _check_json_path(given: str | None) -> None:
+    """The results file must be writable before any work: it is written after each layout and at the end
+    (a file that exists is replaced)."""
+    path = Path(given or default_json_path())
+    flag = f"--json {given}" if given else f"the results file {path} (--json's default)"
+    if path.is_dir():
+        raise ConfigError(f"{flag} is a directory; give a file path, e.g. --json {path / 'verify.json'}")
+    problem = creation_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{flag} cannot be written: {problem}; give --json PATH in a directory you can "
+                          f"write")
 
 
 def _refused(err: Exception, is_main: bool) -> int:

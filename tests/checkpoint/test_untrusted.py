@@ -309,3 +309,20 @@ def test_a_state_that_is_not_finite_is_never_saved(tmp_path, capsys, monkeypatch
     assert "after step 1 the parameters or optimizer moments are not finite: no checkpoint is written" in err
     saved_dirs = tmp_path / "run" / "checkpoints"
     assert not saved_dirs.exists() or not any(saved_dirs.iterdir())
+
+
+def test_a_device_error_while_loading_is_not_called_damage(saved, tmp_path, capsys, monkeypatch):
+    """A CUDA error in the copy of the loaded tensors into the model (seen on an H200: "invalid
+    argument") says nothing of the files: the resume stops naming the device's error, and `--resume
+    auto` does not pass over the intact checkpoint for an older one."""
+    from gdn_parallel.checkpoint.reading import TensorsOnlyLoadPlanner
+
+    def failing_copy(self, read_item):
+        raise torch.AcceleratorError("CUDA error: invalid argument")
+    monkeypatch.setattr(TensorsOnlyLoadPlanner, "resolve_tensor", failing_copy)
+    out_dir = copy_run(saved, tmp_path)
+    for resume in (str(out_dir / "checkpoints" / "step_4"), "auto"):
+        err = refused(capsys, out_dir, resume)
+        assert "to the device failed (AcceleratorError: CUDA error: invalid argument)" in err, err
+        assert "an error of the device, not of the checkpoint's files" in err, err
+        assert "fails verification" not in err and "does not hold tensor data" not in err, err

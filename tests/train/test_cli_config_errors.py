@@ -45,7 +45,7 @@ def test_malformed_yaml_and_out_dir_exit_2(tmp_path, capsys, no_training):
 def test_steps_from_either_flag_shorten_the_config_warmup(argv, capsys):
     config = load_config(build_parser().parse_args(argv))  # tiny-cpu.yaml warms up for 20 steps
     assert (config.train.steps, config.train.warmup_steps) == (10, 1)
-    assert "train.warmup_steps=20" in capsys.readouterr().err
+    assert "note  | train.warmup_steps=20" in capsys.readouterr().out   # the run's first line
 
 
 @pytest.mark.parametrize("argv", [["--steps", "10", "--set", "train.warmup_steps=20"],
@@ -60,7 +60,8 @@ def test_steps_and_warmup_chosen_together_must_agree(argv, capsys, no_training):
 def test_warmup_that_fits_is_kept_without_a_note(capsys):
     config = load_config(build_parser().parse_args(["--steps", "10", "--set", "train.warmup_steps=5"]))
     assert (config.train.steps, config.train.warmup_steps) == (10, 5)
-    assert "note" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "note" not in captured.out + captured.err
 
 
 def test_steps_flag_wins_over_set():

@@ -161,7 +161,7 @@ def test_help_config_of_one_section(capsys):
     assert listing.startswith("[checkpoint] Checkpoints under <train.out_dir>/checkpoints/")
     assert re.findall(r"^  (\S+)=", listing, flags=re.MULTILINE) == [
         "checkpoint.interval", "checkpoint.keep", "checkpoint.async_save", "checkpoint.enabled",
-        "checkpoint.verify"]
+        "checkpoint.verify", "checkpoint.allow_other_run"]
     with pytest.raises(SystemExit) as exited:
         main(["--help-config", "modle"])
     assert exited.value.code == 2 and "invalid choice: 'modle'" in capsys.readouterr().err

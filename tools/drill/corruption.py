@@ -3,12 +3,16 @@
 auto` must pass over it loudly, naming the file, and resume the older one to the end; when the older
 one is damaged too, it must refuse in one line naming the files. Once per kind the finished run's own
 command (train.steps at the damaged checkpoint's step) runs again with `--resume auto`: the damaged
-checkpoint must not end the run as if it were finished."""
+checkpoint must not end the run as if it were finished. A checkpoint whose checksums.json was deleted
+is also resumed with `checkpoint.verify=false` (its flipped bytes unseen): the run must finish or stop
+in one line, and no command of any trial may write a checkpoint that is not finite."""
 from __future__ import annotations
 
 import random
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .damage import CORRUPTIONS
@@ -17,6 +21,7 @@ from .reading import (
     ERROR_PREFIX,
     damage_of,
     final_checkpoint_ok,
+    non_finite_checkpoints,
     raw_tracebacks,
     refusal_line,
     refused_in_one_line,
@@ -28,19 +33,27 @@ CORRUPT_STEPS, CORRUPT_INTERVAL = 4, 2   # checkpoints step_2 and step_4; resume
 RESUME_STEPS = 6
 
 
-def base_runs(workspace: Workspace) -> dict[str, Path]:
-    """Finished runs with checkpoints step_2 and step_4: one process, and torchrun dp=2 (two data and
-    two RNG files); trials copy them."""
+BASE_RUNS = {"1 process": (1, []), "dp=2": (2, ["parallel.dp=2"]),
+             "another seed": (1, ["train.seed=1"])}   # the other run of tools/drill/other_run.py
+_made: dict[tuple[Path, str], Path] = {}
+
+
+def base_runs(workspace: Workspace, names=("1 process", "dp=2")) -> dict[str, Path]:
+    """Finished runs with checkpoints step_2 and step_4 (made once per workspace): one process, torchrun
+    dp=2 (two data and two RNG files), and one process of another seed; trials copy them."""
     bases = {}
-    for name, procs, layout in (("1 process", 1, []), ("dp=2", 2, ["parallel.dp=2"])):
-        out_dir = workspace.directory("base") / "run"
-        argv = train_argv(workspace, out_dir, CORRUPT_STEPS,
-                          [*layout, f"checkpoint.interval={CORRUPT_INTERVAL}"], procs=procs)
-        finished = run(workspace, argv, out_dir.parent / "base")
-        if finished.status != 0 or damage_of(out_dir / "checkpoints" / "step_4") is not None:
-            raise RuntimeError(f"the base run failed (status {finished.status}): {shell_line(argv)}\n"
-                               f"{finished.stderr[-3000:]}")
-        bases[name] = out_dir
+    for name in names:
+        if (workspace.root, name) not in _made:
+            procs, overrides = BASE_RUNS[name]
+            out_dir = workspace.directory("base") / "run"
+            argv = train_argv(workspace, out_dir, CORRUPT_STEPS,
+                              [*overrides, f"checkpoint.interval={CORRUPT_INTERVAL}"], procs=procs)
+            finished = run(workspace, argv, out_dir.parent / "base")
+            if finished.status != 0 or damage_of(out_dir / "checkpoints" / "step_4") is not None:
+                raise RuntimeError(f"the base run failed (status {finished.status}): {shell_line(argv)}\n"
+                                   f"{finished.stderr[-3000:]}")
+            _made[workspace.root, name] = out_dir
+        bases[name] = _made[workspace.root, name]
     return bases
 
 
@@ -80,12 +93,36 @@ def judge_auto(finished: Finished, out_dir: Path, none_verify: bool, damaged_nam
             silent, lost)
 
 
+def unverified_leg(workspace: Workspace, trial_dir: Path, damaged_copy: Callable[[str], tuple[Path, dict]]
+                   ) -> tuple[dict, list]:
+    """`--resume <it> --set checkpoint.verify=false` of a checkpoint whose checksums.json was deleted
+    (the user accepting it unverified): it may load, saying so; then the run must finish, or stop in
+    one line (status 2: what was loaded is not finite or cannot be read, naming the checkpoint; 3: a
+    step or a save met values that are not finite). (its record, its raw tracebacks)"""
+    out_dir, _ = damaged_copy("unverified")
+    damaged = out_dir / "checkpoints" / "step_4"
+    finished = run(workspace, train_argv(workspace, out_dir, RESUME_STEPS, ["checkpoint.verify=false"],
+                                         resume=str(damaged)), trial_dir / "unverified")
+    said = any(line.startswith(f"resume | {damaged} has no checksums.json: loaded unverified")
+               for line in finished.lines())
+    refusal = refusal_line(finished) or ""
+    if finished.status == 0:
+        ok, outcome = said and final_checkpoint_ok(out_dir, RESUME_STEPS)[0], "loaded unverified, finished"
+    elif finished.status in (2, 3):
+        ok = refused_in_one_line(finished) and (finished.status == 3 or str(damaged) in refusal)
+        outcome = f"stopped (status {finished.status}): {refusal[len(ERROR_PREFIX):][:160]}"
+    else:
+        ok, outcome = False, f"status {finished.status}"
+    return {"outcome": outcome, "as_expected": ok, **finished.record()}, raw_tracebacks(finished)
+
+
 def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, Path], seed: int) -> dict:
     damage, one_process_only = CORRUPTIONS[kind]
     base_name = "1 process" if one_process_only or index % 2 == 0 else "dp=2"
     none_verify = index % 5 == 4          # 2 of 10: the older checkpoint damaged too
     trial_dir = workspace.directory(f"corrupt_{kind}_{index}")
     marker = trial_dir / "code-ran"
+    started = time.time()   # the checkpoints sealed after it are the trial's commands' own
 
     def damaged_copy(name: str) -> tuple[Path, dict]:
         out_dir = trial_dir / name
@@ -128,13 +165,21 @@ def corrupt_trial(workspace: Workspace, kind: str, index: int, bases: dict[str, 
                       **again.record()}
         auto_silent, lost = auto_silent or silent, lost or again_lost
         raw += raw_tracebacks(again)
+    unverified = None
+    if kind == "deleted-checksums":
+        unverified, its_raw = unverified_leg(workspace, trial_dir, damaged_copy)
+        raw += its_raw
+    non_finite = [found for copy in sorted(trial_dir.iterdir()) if (copy / "checkpoints").is_dir()
+                  for found in non_finite_checkpoints(copy, started)]
     result.update(
         explicit={"as_expected": explicit_ok, "names_the_file": explicit_names_file,
                   "one_line": refused_in_one_line(explicit), "refusal": refusal, **explicit.record()},
         auto={"outcome": auto_outcome, "as_expected": auto_ok, **auto.record()},
-        same_steps=same_steps, lost=lost, silent_corrupt_resume=explicit_silent or auto_silent,
+        same_steps=same_steps, unverified=unverified, lost=lost,
+        silent_corrupt_resume=explicit_silent or auto_silent, non_finite_checkpoints=non_finite,
         code_executed=marker.exists(), raw_tracebacks=raw,
-        as_expected=explicit_ok and auto_ok and not raw and not marker.exists())
+        as_expected=(explicit_ok and auto_ok and not raw and not marker.exists() and not non_finite
+                     and (unverified is None or unverified["as_expected"])))
     workspace.discard(trial_dir)
     return result
 
@@ -147,6 +192,10 @@ def _say(trial: dict) -> None:
           + (f" | same steps: {trial['same_steps']['outcome']}"
              + (" (ok)" if trial["same_steps"]["as_expected"] else " UNEXPECTED")
              if trial["same_steps"] else "")
+          + (f" | verify=false: {trial['unverified']['outcome']}"
+             + (" (ok)" if trial["unverified"]["as_expected"] else " UNEXPECTED")
+             if trial["unverified"] else "")
+          + (" | NON-FINITE CHECKPOINT" if trial["non_finite_checkpoints"] else "")
           + (" | LOST" if trial["lost"] else "") + (" | SILENT" if trial["silent_corrupt_resume"] else "")
           + (" | CODE RAN" if trial["code_executed"] else "")
           + (f" | {len(trial['raw_tracebacks'])} raw traceback(s)" if trial["raw_tracebacks"] else ""),
@@ -163,6 +212,10 @@ def _counts(trials) -> dict:
         "same_steps_as_expected": sum(bool(t["same_steps"] and t["same_steps"]["as_expected"])
                                       for t in trials),
         "same_steps_trials": sum(bool(t["same_steps"]) for t in trials),
+        "unverified_as_expected": sum(bool(t["unverified"] and t["unverified"]["as_expected"])
+                                      for t in trials),
+        "unverified_trials": sum(bool(t["unverified"]) for t in trials),
+        "non_finite_checkpoints_written": sum(len(t["non_finite_checkpoints"]) for t in trials),
         "silent_corrupt_resumes": sum(t["silent_corrupt_resume"] for t in trials),
         "code_executed": sum(t["code_executed"] for t in trials),
         "raw_traceback_trials": sum(bool(t["raw_tracebacks"]) for t in trials),
@@ -186,11 +239,15 @@ def run_part(workspace: Workspace, args) -> dict:
                          "auto_outcomes": sorted({re.sub(r"step_\d+|/\S+", "…", t["auto"]["outcome"])
                                                   for t in mine}),
                          "same_steps": [t["same_steps"]["outcome"] for t in mine if t["same_steps"]]}
-    tally = {**_counts(trials), "commands": sum(2 + bool(t["same_steps"]) for t in trials)}
+    tally = {**_counts(trials),
+             "commands": sum(2 + bool(t["same_steps"]) + bool(t["unverified"]) for t in trials)}
     line = (f"corrupt | trials {tally['trials']} ({len(kinds)} kinds) | lost {tally['lost']} | "
             f"--resume <ckpt> refused as expected {tally['explicit_refused_as_expected']} | "
             f"--resume auto as expected {tally['auto_as_expected']} | silent corrupt resumes "
             f"{tally['silent_corrupt_resumes']} | code executed {tally['code_executed']} | raw tracebacks "
             f"{tally['raw_traceback_trials']} | same-steps resume as expected "
-            f"{tally['same_steps_as_expected']}/{tally['same_steps_trials']}")
+            f"{tally['same_steps_as_expected']}/{tally['same_steps_trials']} | non-finite checkpoints "
+            f"written {tally['non_finite_checkpoints_written']}"
+            + (f" | verify=false as expected {tally['unverified_as_expected']}/{tally['unverified_trials']}"
+               if tally["unverified_trials"] else ""))
     return {"tally": tally, "tally_line": line, "by_kind": by_kind, "trials": trials}

@@ -1,12 +1,15 @@
-"""The ways the drill damages a checkpoint: torn, flipped, zeroed and deleted files, and pickles
-planted in its files with the checksums rewritten to match (what whoever planted them can do).
-A planted pickle that ran would create the trial's marker file."""
+"""The ways the drill damages a checkpoint: torn, flipped, zeroed and deleted files, pickles
+planted in its files with the checksums rewritten to match (what whoever planted them can do), its
+checksums.json deleted (with bytes flipped where nothing can see them), and a data file replaced by a
+symbolic link to a file outside the checkpoint. A planted pickle that ran would create the trial's
+marker file."""
 from __future__ import annotations
 
 import os
 import pickle
 import random
 import shlex
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,6 +128,30 @@ def _planter(files: Callable[[Path], list[Path]], wrap: Callable[[Gadget], objec
     return plant
 
 
+def delete_checksums(checkpoint: Path, rng: random.Random) -> dict:
+    """checksums.json deleted and 1 to 16 bytes of a data file flipped (issue 44: such a checkpoint was
+    loaded without a word, trained to NaN and saved the NaN state)."""
+    (checkpoint / integrity.MANIFEST).unlink()
+    return {"file": integrity.MANIFEST, "flipped": flip_bytes(rng.choice(data_files(checkpoint)), rng)}
+
+
+def link_data_out(checkpoint: Path, rng: random.Random, marker: Path) -> dict:
+    """A data file replaced by a symbolic link to a file outside the checkpoint (beside the trial's
+    marker): a copy of its own bytes (its checksums match as they are) or of the same file of another
+    checkpoint of the run, with the checksums rewritten to match."""
+    victim = rng.choice(data_files(checkpoint))
+    siblings = [path for path in checkpoint.parent.glob(f"step_*/{victim.name}") if path.parent != checkpoint]
+    source = victim if rng.random() < 0.5 or not siblings else rng.choice(siblings)
+    outside = marker.parent / f"outside_{checkpoint.name}_{victim.name}"
+    shutil.copy(source.resolve(), outside)
+    victim.unlink()
+    victim.symlink_to(outside)
+    done = _sealed(checkpoint, victim.name, "-", "-")
+    return {"file": victim.name, "link_to": str(outside),
+            "bytes_of": "itself" if source == victim else f"{source.parent.name}/{source.name}",
+            "checksums": done["checksums"]}
+
+
 # kind -> (damage(checkpoint, rng, marker) -> what was done, runs only on a one-process base)
 CORRUPTIONS: dict[str, tuple[Callable[[Path, random.Random, Path], dict], bool]] = {
     "flipped-bytes": (lambda c, r, m: flip_bytes(r.choice(data_files(c)), r), False),
@@ -141,4 +168,6 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path, random.Random, Path], dict], bool]]
     "planted-rng": (_planter(rng_files, lambda payload: {"torch": torch.get_rng_state(), "python": payload},
                              "the python state of a torch.save file"), True),
     "planted-data": (_planter(data_files, lambda payload: payload, "the whole file (torch.save)"), False),
+    "deleted-checksums": (lambda c, r, m: delete_checksums(c, r), False),
+    "data-linked-out": (link_data_out, False),
 }

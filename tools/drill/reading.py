@@ -142,6 +142,34 @@ def final_checkpoint_ok(out_dir: Path, steps: int) -> tuple[bool, str]:
     return problem is None, problem or "verifies"
 
 
+def written_since(out_dir: Path, since: float) -> list[Path]:
+    """The complete checkpoints under out_dir (those set aside in checkpoints/abandoned/ too) sealed after
+    `since` (COMPLETE's time; a copy of a base run keeps the base's): the ones a trial's commands wrote."""
+    return sorted(marker.parent for marker in (out_dir / "checkpoints").glob("**/COMPLETE")
+                  if marker.stat().st_mtime >= since)
+
+
+def non_finite_checkpoints(out_dir: Path, since: float) -> list[str]:
+    """Each checkpoint written since `since` that holds a tensor that is not finite, or that cannot be
+    read as the converters read it (verified, without running code): 'path: why'."""
+    import torch
+
+    from gdn_parallel.convert.dcp_io import read_tensors, tensor_entries
+    found = []
+    for checkpoint in written_since(out_dir, since):
+        try:
+            entries = tensor_entries(checkpoint)
+            tensors = read_tensors(checkpoint, entries, list(entries))
+        except Exception as err:   # the drill reports it; the trial goes on
+            found.append(f"{checkpoint}: unreadable ({type(err).__name__}: {err})")
+            continue
+        bad = sorted(key for key, value in tensors.items()
+                     if value.is_floating_point() and not bool(torch.isfinite(value).all()))
+        if bad:
+            found.append(f"{checkpoint}: not finite: {', '.join(bad[:3])}")
+    return found
+
+
 def summary_of(out_dir: Path) -> dict | None:
     """The last run's summary record of metrics.jsonl (a line torn by a kill is skipped, as the
     trainer's own reader does)."""
