@@ -197,6 +197,7 @@ BAD_INPUTS = [
     ("checkpoint.async_save=2", "checkpoint.async_save"),
     ("checkpoint.enabled=maybe", "checkpoint.enabled"),
     ("checkpoint.verify=sometimes", "checkpoint.verify"),
+    ("checkpoint.allow_other_run=perhaps", "checkpoint.allow_other_run"),
     # log
     ("log.tensorboard=maybe", "log.tensorboard"),
     ("log.wandb_project=[1]", "log.wandb_project"),
