@@ -52,6 +52,17 @@ def test_the_single_process_group_gets_the_configured_timeout():
         assert options._timeout == timedelta(seconds=7)
 
 
+def launcher_environment(rank: int, world: int, port: str) -> dict:
+    """The variables a launcher gives rank `rank` of `world` processes on this host (CPU only, no
+    torchrun agent around it)."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        env.pop(name, None)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -86,12 +97,7 @@ def test_a_silent_peer_fails_the_collective_after_the_configured_timeout(tmp_pat
     port = str(free_port())
     ranks = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=str(REPO))
-        for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
-                     "TORCHELASTIC_MAX_RESTARTS"):
-            env.pop(name, None)
+        env = launcher_environment(rank, 2, port)
         ranks.append(subprocess.Popen([sys.executable, str(script), "3"], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:

@@ -1,7 +1,6 @@
 """A rank waiting at start-up for peers that have not started says so (issue 44, item 4): a line after
 a short delay and then every ~30 s, with how long it waited, the timeout and where, instead of nothing
 for train.collective_timeout_s (600 s) before its error."""
-import os
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import time
 from pathlib import Path
 
 from gdn_parallel.runtime import waiting
-from tests.runtime.test_session import free_port
+from tests.runtime.test_session import free_port, launcher_environment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,12 +65,7 @@ def test_a_rank_whose_peer_starts_late_says_it_is_waiting(tmp_path):
     script.write_text(LATE_PEER)
     port, ranks = str(free_port()), []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=str(REPO))
-        for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
-                     "TORCHELASTIC_MAX_RESTARTS"):
-            env.pop(name, None)
+        env = launcher_environment(rank, 2, port)
         ranks.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
         if rank == 0:
