@@ -13,10 +13,13 @@ carry into Hugging Face exports. The format is described in gdn_parallel/data/pr
 file, JSON line or Parquet row is one document.
 
 Work goes in shards (whole text files grouped up to --shard-mb of input, byte ranges of JSON-lines
-files, row groups of Parquet files), tokenized by --workers processes into DIR/.partial/. A shard is
-written under temporary names and renamed when complete, so an interrupted run, started again with
-the same arguments, continues after the last completed shard. The shards are joined at the end.
-A finished directory is never overwritten without --force.
+files, row groups of Parquet files), tokenized by --workers processes into DIR/.partial/. With more
+than one worker the shards are made smaller than --shard-mb where the inputs would otherwise give each
+worker fewer than SHARDS_PER_WORKER of them (down to 1 MiB), so one large JSON-lines file is tokenized
+by every worker. A shard is written under temporary names and renamed when complete, so an interrupted
+run, started again with the same arguments, continues after the last completed shard. The shards are
+joined in input order at the end: the output is byte for byte the same for any --workers and
+--shard-mb. A finished directory is never overwritten without --force.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..config import DataConfig
-from .prepare_inputs import list_inputs, plan_items, read_texts, suffixes_with_records
+from .prepare_inputs import holds_records, list_inputs, plan_items, read_texts, suffixes_with_records
 from .prepared import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -51,6 +54,11 @@ from .text_tokenizer import SPECIAL_ROLES, load_tokenizer
 
 PLAN_FILE = "plan.json"
 ENCODE_BATCH = 256           # texts per tokenizer call
+# with several workers, shards small enough that each worker gets this many: the last shards keep
+# one worker busy while the others are done, a share of the run that falls with their size
+SHARDS_PER_WORKER = 16
+MIN_SPLIT_BYTES = 2 ** 20    # smaller shards gain no balance and add per-shard files
+DEFAULT_TEXT_KEY = "text"
 # the names written in --out (and each with .tmp)
 OUR_NAMES = (METADATA_FILE, TOKENS_FILE, OFFSETS_FILE, PARTIAL_DIR, TOKEN_BYTES_FILE, TOKENIZER_COPY)
 COUNT_DTYPES = ("uint8", "uint16", "uint32")   # token_bytes.bin: the narrowest that holds every count
@@ -63,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="the dataset directory to write (data.source)")
     parser.add_argument("--tokenizer", default="bytes",
                         help="'bytes' (UTF-8 bytes, vocabulary 256) or a Hugging Face tokenizers JSON file")
-    parser.add_argument("--text-key", default="text", help="the text field of JSON lines / Parquet rows")
+    parser.add_argument("--text-key", default=None,
+                        help=f"the text field of JSON lines / Parquet rows (default {DEFAULT_TEXT_KEY!r}); "
+                             f"text files have none")
     for role in SPECIAL_ROLES:
         parser.add_argument(f"--{role.replace('_', '-')}", dest=role, default=None, metavar="TOKEN",
                             help=f"the tokenizer's {role.split('_')[0]} token (default: as "
@@ -104,19 +114,41 @@ def prepare(args) -> dict:
         raise ValueError(f"--suffixes={args.suffixes!r} must be suffixes separated by commas, e.g. "
                          f"'.txt,.jsonl', or '*'")
     out = Path(args.out).expanduser()
-    tokenizer = load_tokenizer(args.tokenizer, special_tokens_given(args))
+    tokenizer = process_tokenizer(args.tokenizer, special_tokens_given(args), reload=True)
     files = list_inputs(args.inputs, suffixes)
+    text_key = resolve_text_key(args.text_key, files)
     check_output_dir(out, args.force)       # after the inputs: --force deletes nothing for a typo
     shard_bytes = max(1, int(args.shard_mb * 2 ** 20))
+    # the fingerprint holds --shard-mb as asked, not as cut for the workers: a run resumes under
+    # another --workers with the plan it saved (the output does not depend on either)
     fingerprint = {"format_version": FORMAT_VERSION, "tokenizer": tokenizer.identity(),
-                   "text_key": args.text_key, "dtype": token_dtype(tokenizer.vocab_size),
+                   "text_key": text_key, "dtype": token_dtype(tokenizer.vocab_size),
                    "shard_bytes": shard_bytes, "counts_text_bytes": True,
                    "inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
     plan: dict[str, Any] = {"fingerprint": fingerprint}
     partial = out / PARTIAL_DIR
-    plan["shards"] = load_or_write_plan(partial, plan, files, shard_bytes)
-    run_shards(partial, plan, args)
-    return assemble(out, partial, plan, tokenizer, args.text_key, files)
+    split_bytes = shard_size(shard_bytes, sum(f.stat().st_size for f in files), args.workers)
+    plan["shards"] = load_or_write_plan(partial, plan, files, split_bytes)
+    run_shards(partial, plan, args, text_key)
+    return assemble(out, partial, plan, tokenizer, text_key, files)
+
+
+def resolve_text_key(given: str | None, files: list[Path]) -> str:
+    """--text-key, which only JSON-lines and Parquet inputs have: refused where every input is text."""
+    if given is not None and not holds_records(files):
+        names = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        raise ValueError(f"--text-key {given!r} names the text field of JSON-lines / Parquet records, but "
+                         f"the inputs ({names}) are text files, each one whole document: drop --text-key")
+    return DEFAULT_TEXT_KEY if given is None else given
+
+
+def shard_size(requested: int, input_bytes: int, workers: int) -> int:
+    """Input bytes per shard: `requested` (--shard-mb), or with several workers less where the inputs
+    would give each worker fewer than SHARDS_PER_WORKER shards, but not under MIN_SPLIT_BYTES."""
+    if workers <= 1:
+        return requested
+    even_share = -(-input_bytes // (workers * SHARDS_PER_WORKER))
+    return min(requested, max(even_share, MIN_SPLIT_BYTES))
 
 
 def special_tokens_given(args) -> dict:
@@ -181,23 +213,22 @@ def shard_done(partial: Path, index: int) -> bool:
     return shard_paths(partial, index)["summary"].is_file()   # renamed last: the shard's commit
 
 
-def run_shards(partial: Path, plan: dict, args) -> None:
+def run_shards(partial: Path, plan: dict, args, text_key: str) -> None:
     shards = plan["shards"]
     pending = [i for i in range(len(shards)) if not shard_done(partial, i)]
     total = sum(item["bytes"] for shard in shards for item in shard)
     done = total - sum(item["bytes"] for i in pending for item in shards[i])
     progress = Progress(total, done, len(shards), len(shards) - len(pending), args.progress)
     fingerprint = plan["fingerprint"]
-    tasks = [(i, shards[i], str(partial), fingerprint["dtype"], args.text_key) for i in pending]
+    tasks = [(i, shards[i], str(partial), fingerprint["dtype"], text_key) for i in pending]
     special = special_tokens_given(args)
     try:
         if args.workers == 1 or len(tasks) <= 1:
-            init_worker(args.tokenizer, special)
             for task in tasks:
                 progress.advance(prepare_shard(task))
         else:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # processes, not threads, share work
-            with multiprocessing.Pool(args.workers, initializer=init_worker,
+            with multiprocessing.Pool(args.workers, initializer=process_tokenizer,
                                       initargs=(args.tokenizer, special)) as pool:
                 for summary in pool.imap_unordered(prepare_shard, tasks):
                     progress.advance(summary)
@@ -206,54 +237,84 @@ def run_shards(partial: Path, plan: dict, args) -> None:
 
 
 _TOKENIZER = None
+_TOKENIZER_SOURCE = None     # the (spec, special tokens) _TOKENIZER was loaded from
 
 
-def init_worker(spec: str, special: dict | None = None) -> None:
-    global _TOKENIZER
-    _TOKENIZER = load_tokenizer(spec, special)
+def process_tokenizer(spec: str, special: dict | None = None, reload: bool = False):
+    """This process's tokenizer, loaded unless it has it already (`reload`: load it anew): a forked
+    worker inherits the one prepare() loaded, which saves a fraction of a second per worker."""
+    global _TOKENIZER, _TOKENIZER_SOURCE
+    source = (spec, sorted((special or {}).items()))
+    if reload or _TOKENIZER is None or _TOKENIZER_SOURCE != source:
+        _TOKENIZER, _TOKENIZER_SOURCE = load_tokenizer(spec, special), source
+    return _TOKENIZER
 
 
 def prepare_shard(task) -> dict:
     """Tokenize one shard into DIR/.partial/shard_N.{bin,lengths.npy,bytes.bin,json} (temporary names
     first); bytes.bin (uint32 per token, the text's UTF-8 bytes it stands for) only for a tokenizer file."""
     index, items, partial, dtype_name, text_key = task
-    paths = shard_paths(Path(partial), index)
-    dtype = np.dtype(dtype_name).newbyteorder("<")
-    counts: Counter = Counter()
-    lengths: list[int] = []
-    max_id, num_tokens, text_bytes, max_token_bytes = -1, 0, 0, 1
-    tmp = {name: path.with_name(path.name + ".tmp") for name, path in paths.items()}
     tokenizer = _TOKENIZER
     if tokenizer is None:
-        raise RuntimeError("prepare_shard runs after init_worker, which loads the tokenizer")
-    by_byte = tokenizer.one_byte_per_token
-    with open(tmp["tokens"], "wb") as out, open(tmp["text_bytes"], "wb") as out_bytes:
+        raise RuntimeError("prepare_shard runs after process_tokenizer, which loads the tokenizer")
+    paths = shard_paths(Path(partial), index)
+    tmp = {name: path.with_name(path.name + ".tmp") for name, path in paths.items()}
+    counts: Counter = Counter()
+    with ShardWriter(tmp, dtype_name) as writer:
         for texts in batched(text for item in items for text in read_texts(item, text_key, counts)):
-            encoded = ([(ids, None) for ids in tokenizer.encode_batch(texts)] if by_byte
-                       else tokenizer.encode_counting_bytes(texts))
-            for ids, token_bytes in encoded:
-                if ids.size == 0:
-                    counts["empty_documents"] += 1
-                    continue
-                max_id = max(max_id, int(ids.max()))
-                if max_id > np.iinfo(dtype).max:
-                    raise ValueError(f"token id {max_id} does not fit {dtype_name}")
-                out.write(ids.astype(dtype).tobytes())
-                lengths.append(int(ids.size))
-                num_tokens += int(ids.size)
-                if token_bytes is not None:
-                    out_bytes.write(token_bytes.astype("<u4").tobytes())
-                    max_token_bytes = max(max_token_bytes, int(token_bytes.max()))
-                text_bytes += int(ids.size) if token_bytes is None else int(token_bytes.sum())
-    with open(tmp["lengths"], "wb") as fh:
-        np.save(fh, np.asarray(lengths, dtype=np.int64))
-    summary = {"index": index, "documents": len(lengths), "tokens": num_tokens, "max_token_id": max_id,
-               "bytes": sum(item["bytes"] for item in items), "text_bytes": text_bytes,
-               "max_token_bytes": max_token_bytes, **counts}
+            writer.add(*tokenizer.encode_joined(texts))
+    counts["empty_documents"] += writer.empty_documents
+    summary = {"index": index, "bytes": sum(item["bytes"] for item in items), **writer.summary(), **counts}
     tmp["summary"].write_text(json.dumps(summary), encoding="utf-8")
     for name in ("tokens", "lengths", "text_bytes", "summary"):   # the summary last: the shard's commit
         os.replace(tmp[name], paths[name])
     return summary
+
+
+class ShardWriter:
+    """A shard's tokens, document lengths and per-token text bytes, written a batch at a time."""
+
+    def __init__(self, tmp: dict[str, Path], dtype_name: str):
+        self.tmp, self.dtype_name = tmp, dtype_name
+        self.dtype = np.dtype(dtype_name).newbyteorder("<")
+        self.lengths: list[np.ndarray] = []
+        self.max_id, self.num_tokens, self.text_bytes, self.max_token_bytes = -1, 0, 0, 1
+        self.empty_documents = 0
+
+    def __enter__(self) -> ShardWriter:
+        self.tokens = open(self.tmp["tokens"], "wb")
+        self.token_bytes = open(self.tmp["text_bytes"], "wb")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tokens.close()
+        self.token_bytes.close()
+        if exc[0] is None:
+            with open(self.tmp["lengths"], "wb") as fh:
+                np.save(fh, np.concatenate(self.lengths or [np.zeros(0, dtype=np.int64)]))
+
+    def add(self, ids: np.ndarray, lengths: np.ndarray, token_bytes: np.ndarray | None) -> None:
+        """One batch (a tokenizer's encode_joined); documents without tokens are counted, not written."""
+        self.empty_documents += int(np.count_nonzero(lengths == 0))
+        self.lengths.append(lengths[lengths > 0])
+        if ids.size == 0:
+            return
+        self.max_id = max(self.max_id, int(ids.max()))
+        if self.max_id > np.iinfo(self.dtype).max:
+            raise ValueError(f"token id {self.max_id} does not fit {self.dtype_name}")
+        self.tokens.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.num_tokens += int(ids.size)
+        if token_bytes is None:
+            self.text_bytes += int(ids.size)
+        else:
+            self.token_bytes.write(token_bytes.astype("<u4").tobytes())
+            self.max_token_bytes = max(self.max_token_bytes, int(token_bytes.max()))
+            self.text_bytes += int(token_bytes.sum())
+
+    def summary(self) -> dict:
+        return {"documents": int(sum(len(lengths) for lengths in self.lengths)), "tokens": self.num_tokens,
+                "max_token_id": self.max_id, "text_bytes": self.text_bytes,
+                "max_token_bytes": self.max_token_bytes}
 
 
 def batched(texts, size: int = ENCODE_BATCH):

@@ -48,6 +48,11 @@ def list_inputs(inputs: Sequence[str], suffixes: Sequence[str]) -> list[Path]:
     return list(dict.fromkeys(files))
 
 
+def holds_records(files: Sequence[Path]) -> bool:
+    """Whether any file is JSON lines or Parquet (the formats with a text key)."""
+    return any(input_format(str(path)) != "text" for path in files)
+
+
 def plan_items(path: Path, chunk_bytes: int) -> list[dict]:
     """The work items of one file; `chunk_bytes` bounds a JSON-lines range."""
     size = path.stat().st_size
@@ -90,14 +95,16 @@ def _jsonl_texts(item: dict, text_key: str, counts: Counter) -> Iterator[str]:
             fh.seek(begin - 1)
             if fh.read(1) != b"\n":
                 fh.readline()
-        while fh.tell() < end:
-            where = fh.tell()
+        where = fh.tell()
+        while where < end:
             line = fh.readline()
             if not line:
                 break
+            line_start, where = where, where + len(line)   # counted, not fh.tell(): cheaper per line
             if not line.strip():
                 continue
-            text = _record_text(_json_record(line, path, where), text_key, f"{path} at byte {where}", counts)
+            where_text = f"{path} at byte {line_start}"
+            text = _record_text(_json_record(line, path, line_start), text_key, where_text, counts)
             if text is not None:
                 yield text
 

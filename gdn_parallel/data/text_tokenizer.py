@@ -2,13 +2,15 @@
 tokenizer file (tokenizer.json). `tokenizers` is imported only when a file is given.
 
 A file tokenizer also says which UTF-8 bytes of a document each token stands for
-(`encode_counting_bytes`, what val_bpb divides by) and names its special tokens (bos, eos, pad:
+(`encode_joined`, text_bytes_per_token: what val_bpb divides by) and names its special tokens (bos, eos, pad:
 `special_tokens`, what a Hugging Face export declares)."""
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Sequence
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,9 @@ from ..config import BYTE_VOCAB_SIZE
 BYTES = "bytes"
 SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token")
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"   # transformers' file beside a tokenizer.json
+# encode_joined: (every document's ids back to back, each document's token count, each token's text
+# bytes back to back or None where every token is one byte); one array per batch, not per document
+Joined = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
 class ByteTokenizer:
@@ -30,6 +35,11 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
+    def encode_joined(self, texts: Sequence[str]) -> Joined:
+        encoded = [text.encode("utf-8") for text in texts]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        return np.frombuffer(b"".join(encoded), dtype=np.uint8), lengths, None
 
 
 class FileTokenizer:
@@ -63,10 +73,15 @@ class FileTokenizer:
         return [np.asarray(encoding.ids, dtype=np.int64)
                 for encoding in self._tokenizer.encode_batch(list(texts))]
 
-    def encode_counting_bytes(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(ids, UTF-8 bytes each token stands for) per text (text_bytes_per_token)."""
-        return [(np.asarray(encoding.ids, dtype=np.int64), text_bytes_per_token(text, encoding.offsets))
-                for text, encoding in zip(texts, self._tokenizer.encode_batch(list(texts)))]
+    def encode_joined(self, texts: Sequence[str]) -> Joined:
+        """The batch's ids, token counts and UTF-8 bytes each token stands for (text_bytes_per_token),
+        each joined into one array: per-document arrays would cost more than the ids themselves."""
+        encodings = self._tokenizer.encode_batch(list(texts))
+        id_lists = [encoding.ids for encoding in encodings]
+        lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+        ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.uint32, count=int(lengths.sum()))
+        counts = [text_bytes_per_token(text, encoding.offsets) for text, encoding in zip(texts, encodings)]
+        return ids, lengths, np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
 
     def _special_tokens(self, file: Path, given: dict[str, str | None]) -> dict[str, dict | None]:
         """role -> {"content", "id", "from"} or None, each from the first that names it: the command
@@ -145,16 +160,17 @@ def text_bytes_per_token(text: str, offsets: Sequence[tuple[int, int]]) -> np.nd
     up to len(text.encode('utf-8')) for every document."""
     if not offsets:
         return np.zeros(0, dtype=np.int64)
-    if text.isascii():
-        byte_at = np.arange(len(text) + 1, dtype=np.int64)
+    ends = np.fromiter(map(itemgetter(1), offsets), dtype=np.int64, count=len(offsets))
+    if text.isascii():   # a character is a byte: the offsets are byte positions already
+        num_bytes = len(text)
     else:
         points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         widths = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
         byte_at = np.concatenate([[0], np.cumsum(widths)])
-    ends = np.fromiter((end for _, end in offsets), dtype=np.int64, count=len(offsets))
-    reached = np.maximum.accumulate(byte_at[ends])
+        num_bytes, ends = int(byte_at[-1]), byte_at[ends]
+    reached = np.maximum.accumulate(ends)
     counts = np.diff(reached, prepend=0)
-    counts[int(np.argmax(reached == reached[-1]))] += int(byte_at[-1] - reached[-1])
+    counts[int(np.argmax(reached == reached[-1]))] += num_bytes - int(reached[-1])
     return counts
 
 

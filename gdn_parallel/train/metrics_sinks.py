@@ -8,9 +8,16 @@ metrics.jsonl keeps the fields' flat names; TensorBoard and W&B show them groupe
 `eval/loss`, `perf/tokens_per_s`: GROUPED_TAGS), nested mappings as `outer/inner`. Only the process
 given an out_dir (rank 0) builds sinks.
 
-W&B's own environment (WANDB_MODE, WANDB_PROJECT, WANDB_NAME, WANDB_ENTITY, WANDB_DIR) wins over the
-config, which supplies defaults only; W&B runs when log.wandb_project is set and the mode in force is
-not `disabled`.
+W&B's own environment (WANDB_MODE, WANDB_PROJECT, WANDB_NAME, WANDB_ENTITY, WANDB_DIR, WANDB_RUN_ID,
+WANDB_RESUME) wins over the config, which supplies defaults only; W&B runs when log.wandb_project is
+set and the mode in force is not `disabled`. The run id is WANDB_RUN_ID's, else (a resumed run) the one
+in <out_dir>/wandb_run_id, else a new one; it is written to that file, so a later resume continues the
+same run. Where WANDB_RUN_ID and the file of a resumed out_dir disagree, one printed line says that the
+environment's id is used.
+
+TensorBoard also gets the resolved config, as text (`run/config`) and as the hparams plugin's session
+(every setting `section.key`, the metrics `train/loss` and `eval/loss`: the HParams tab shows each
+run's settings beside its last loss and val_loss).
 
 A resumed run appends to metrics.jsonl after a {"step": N, "resumed": true} marker: records of the
 earlier process at steps >= N describe work the checkpoint does not hold, and `read_metrics` drops
@@ -25,6 +32,8 @@ import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
+
+import yaml
 
 from ..config import ConfigError, LogConfig
 
@@ -121,17 +130,52 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
-class TensorBoardSink:
-    """Numbers as scalars, strings (a checkpoint path, a skip reason) as text, at the record's step."""
+# the HParams tab's metric columns: the last value of these scalars in the run
+HPARAMS_METRICS = (GROUPED_TAGS["loss"], GROUPED_TAGS["val_loss"])
+CONFIG_TEXT_TAG = "run/config"
 
-    def __init__(self, log_dir: Path, purge_step: int | None = None):
+
+def hparams_of(run_config: Mapping) -> dict[str, object]:
+    """The config's settings as hparams: `section.key` -> a number, bool or string (lists and mappings
+    as JSON; None left out: the plugin has no null)."""
+    flat: dict[str, object] = {}
+    for key, value in run_config.items():
+        if isinstance(value, Mapping) and all(isinstance(inner, str) for inner in value):
+            flat.update({f"{key}.{inner}": setting for inner, setting in hparams_of(value).items()})
+        elif isinstance(value, (bool, int, float, str)):
+            flat[key] = value
+        elif value is not None:
+            flat[key] = json.dumps(value, sort_keys=True, default=str)
+    return flat
+
+
+class TensorBoardSink:
+    """Numbers as scalars, strings (a checkpoint path, a skip reason) as text, at the record's step;
+    the run's config as text and hparams (module doc) at its first step, and at close, when the run
+    wrote its summary (it finished), the end of the hparams session."""
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None, run_config: dict | None = None):
         _require("tensorboard", "log.tensorboard=true", "tensorboard", "log.tensorboard=false")
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
         # purge_step: a resumed run discards the events the interrupted one wrote past its checkpoint
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=30)
+        self._session_end = None
+        self._finished = False
+        if run_config is not None:
+            step = purge_step or 0
+            # four spaces: a code block in the text plugin's markdown, the YAML shown as written
+            text = "    " + yaml.safe_dump(run_config, sort_keys=False).rstrip("\n").replace("\n", "\n    ")
+            self._writer.add_text(CONFIG_TEXT_TAG, text, step)
+            # the metric values are the scalars' own, so the plugin is told their tags only
+            experiment, session_start, self._session_end = hparams(
+                hparams_of(run_config), dict.fromkeys(HPARAMS_METRICS, 0.0))
+            for summary in (experiment, session_start):
+                self._writer.file_writer.add_summary(summary, step)
 
     def write(self, record: dict) -> None:
         step = record.get("step", 0)
+        self._finished = self._finished or "summary" in record
         for tag, value in grouped(record):
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(tag, float(value), step)
@@ -139,6 +183,8 @@ class TensorBoardSink:
                 self._writer.add_text(tag, value, step)
 
     def close(self) -> None:
+        if self._session_end is not None and self._finished:   # the HParams tab: status "success"
+            self._writer.file_writer.add_summary(self._session_end)
         self._writer.close()
 
 
@@ -159,20 +205,44 @@ def wandb_init_arguments(log: LogConfig, out_dir: Path,
     return {argument: value for argument, value in defaults.items() if argument not in overridden}
 
 
+RUN_ID_VARIABLE, RESUME_VARIABLE = "WANDB_RUN_ID", "WANDB_RESUME"
+DEFAULT_RESUME = "allow"   # a resumed out_dir continues its run; a new id starts one
+
+
+def wandb_run_id(out_dir: Path, resume: bool,
+                 environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """The W&B run id (WANDB_RUN_ID, else a resumed out_dir's wandb_run_id file, else a new one) and,
+    where WANDB_RUN_ID and that file disagree, the line that says which is used and why."""
+    environ = os.environ if environ is None else environ
+    id_file = out_dir / WANDB_RUN_ID_FILE
+    from_file = id_file.read_text().strip() if resume and id_file.is_file() else ""
+    from_environment = environ.get(RUN_ID_VARIABLE, "").strip()
+    if not from_environment:
+        return from_file or uuid.uuid4().hex[:8], None
+    if from_file and from_file != from_environment:
+        return from_environment, (
+            f"note: W&B run id {from_environment!r} from {RUN_ID_VARIABLE}, not {from_file!r} from "
+            f"{id_file}: the environment wins over the id file, as W&B's other variables do (unset "
+            f"{RUN_ID_VARIABLE} to continue run {from_file!r})")
+    return from_environment, None
+
+
 class WandbSink:
-    """A W&B run (in <out_dir>/wandb unless WANDB_DIR says otherwise); charts use the record's `step`
-    as their x axis."""
+    """A W&B run (in <out_dir>/wandb unless WANDB_DIR says otherwise; its id: wandb_run_id); charts
+    use the record's `step` as their x axis. `say` prints the line of an id conflict."""
 
     def __init__(self, log: LogConfig, out_dir: Path, run_config: dict | None = None,
-                 resume: bool = False):
+                 resume: bool = False, say=print):
         _require("wandb", f"log.wandb_project={log.wandb_project!r}", "wandb", "log.wandb_project=''")
         import wandb
-        id_file = out_dir / WANDB_RUN_ID_FILE
-        run_id = id_file.read_text().strip() if resume and id_file.is_file() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id + "\n")
+        run_id, conflict = wandb_run_id(out_dir, resume)
+        if conflict is not None:
+            say(conflict)
+        (out_dir / WANDB_RUN_ID_FILE).write_text(run_id + "\n")   # the run a later resume continues
         # console="off": the training lines are already in metrics.jsonl, and wrapping stdout would
         # fight the progress bar
-        self._run = wandb.init(**wandb_init_arguments(log, out_dir), id=run_id, resume="allow",
+        self._run = wandb.init(**wandb_init_arguments(log, out_dir), id=run_id,
+                               resume=os.environ.get(RESUME_VARIABLE) or DEFAULT_RESUME,
                                config=run_config, settings=wandb.Settings(console="off", silent=True))
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
@@ -195,16 +265,16 @@ def _require(module: str, asked_by: str, package: str, off: str) -> None:
 
 
 def sinks_from_config(log: LogConfig | None, out_dir: Path, run_config: dict | None = None,
-                      append: bool = False, first_step: int = 0) -> list[MetricsSink]:
-    """metrics.jsonl, then the backends `log` asks for, all under out_dir; `append`: a resumed run
-    whose first step is first_step."""
-    sinks: list[MetricsSink] = [JsonlSink(out_dir / METRICS_FILE, append=append)]
+                      resumed_at: int | None = None, say=print) -> list[MetricsSink]:
+    """metrics.jsonl, then the backends `log` asks for, all under out_dir; `resumed_at`: the first step
+    of a resumed run (None: a new run); `say` prints a line about a backend's set-up."""
+    sinks: list[MetricsSink] = [JsonlSink(out_dir / METRICS_FILE, append=resumed_at is not None)]
     try:
         if log is not None and log.tensorboard:
-            purge_step = first_step if append else None
-            sinks.append(TensorBoardSink(out_dir / TENSORBOARD_DIR, purge_step=purge_step))
+            sinks.append(TensorBoardSink(out_dir / TENSORBOARD_DIR, purge_step=resumed_at,
+                                         run_config=run_config))
         if log is not None and log.wandb_enabled:
-            sinks.append(WandbSink(log, out_dir, run_config, resume=append))
+            sinks.append(WandbSink(log, out_dir, run_config, resume=resumed_at is not None, say=say))
     except BaseException:
         for sink in sinks:
             sink.close()

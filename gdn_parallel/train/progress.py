@@ -24,6 +24,7 @@ launch on this machine.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import resource
@@ -40,6 +41,9 @@ import torch
 from ..config import LogConfig
 from .compile_watch import describe as describe_compiled
 from .metrics_sinks import METRICS_FILE, JsonlSink, MetricsSink, read_metrics, sinks_from_config
+
+LOSS_PLOT = "loss.png"
+MATPLOTLIB_HINT = "pip install matplotlib, or the log extra: pip install -e '.[log]'"
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name fragment; first match wins.
 PEAK_TFLOPS = (
@@ -226,8 +230,8 @@ class ProgressLogger:
             metrics_path = self.out_dir / METRICS_FILE
             if settings.append and metrics_path.is_file():
                 self._earlier = [r for r in read_metrics(metrics_path) if r.get("step", -1) < first_step]
-            self.sinks = sinks_from_config(settings.log, self.out_dir, settings.run_config, settings.append,
-                                           first_step)
+            self.sinks = sinks_from_config(settings.log, self.out_dir, settings.run_config,
+                                           first_step if settings.append else None, say=self.print)
             self._ground_truth = next(s for s in self.sinks if isinstance(s, JsonlSink))
         self.sinks.extend(sinks)
 
@@ -235,6 +239,9 @@ class ProgressLogger:
         stream = bar_stream if bar_stream is not None else sys.stdout
         wanted = mode == "on" or (mode == "auto" and is_terminal(stream))
         self.bar: ProgressBar | None = ProgressBar(stream) if wanted else None
+        self._plots_off = False                            # said once: loss.png cannot be drawn
+        if self.out_dir is not None and importlib.util.find_spec("matplotlib") is None:
+            self._say_plots_off("matplotlib is not installed")
         if settings.append:
             self.record({"step": first_step, "resumed": True})
         # the clock starts last: opening the backends (wandb.init takes seconds) is not training time
@@ -420,16 +427,23 @@ class ProgressLogger:
                 self.say(f"note: {type(sink).__name__} failed ({type(err).__name__}: {err}); "
                          f"it gets no more records, {METRICS_FILE} has them all")
 
+    def _say_plots_off(self, why: str) -> None:
+        self._plots_off = True
+        self.say(f"note: no {LOSS_PLOT} in {self.out_dir}: {why} ({MATPLOTLIB_HINT}); {METRICS_FILE} has "
+                 f"every record")
+
     def plot(self) -> Path | None:
-        """Write loss.png to out_dir when matplotlib is importable; return its path or None."""
+        """Write loss.png to out_dir when matplotlib is importable (else say once why not); return its
+        path or None."""
         train_points = [(r["step"], r["loss"]) for r in self._earlier if "loss" in r] + self.loss_points
-        if self.out_dir is None or not train_points:
+        if self.out_dir is None or not train_points or self._plots_off:
             return None
         try:
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-        except Exception:
+        except Exception as err:   # installed but broken: said at the first plot
+            self._say_plots_off(f"matplotlib cannot be imported ({type(err).__name__}: {err})")
             return None
         val_points = [(r["step"], r["val_loss"]) for r in self._earlier if "val_loss" in r] + self.val_points
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -440,7 +454,7 @@ class ProgressLogger:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
-        path = self.out_dir / "loss.png"
+        path = self.out_dir / LOSS_PLOT
         partial = path.with_name(path.name + ".partial")
         fig.tight_layout()
         try:  # a new picture replaces the old one whole, or not at all (a full disk keeps the last one)

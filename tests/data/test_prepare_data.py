@@ -1,6 +1,7 @@
 """tools/prepare_data.py: round trips (bytes, a tokenizers tokenizer, JSON lines, Parquet), worker
-count independence, resuming an interrupted run, refusing to overwrite, bad inputs; the UTF-8 bytes
-each token stands for (val_bpb's) and the tokenizer's copy and special tokens (exports')."""
+count independence (one large JSON-lines file split among the workers, the output byte for byte the
+serial run's), resuming an interrupted run, refusing to overwrite, bad inputs; the UTF-8 bytes each
+token stands for (val_bpb's) and the tokenizer's copy and special tokens (exports')."""
 import json
 import re
 import sys
@@ -67,6 +68,55 @@ def test_workers_and_shard_sizes_do_not_change_the_output(tmp_path):
         assert (outputs[0] / name).read_bytes() == (outputs[1] / name).read_bytes()
 
 
+def test_text_key_is_taken_where_an_input_has_records(tmp_path):
+    write_tree(tmp_path / "in", {"a.txt": "plain", "b.jsonl": jsonl(["rec"], key="body")})
+    assert run([tmp_path / "in"], tmp_path / "out", "--text-key", "body") == 0
+    assert documents_of(tmp_path / "out") == [list(b"plain"), list(b"rec")]
+
+
+def test_shards_are_cut_for_the_workers():
+    mib = 2 ** 20
+    assert tool.shard_size(64 * mib, 40 * mib, 1) == 64 * mib          # one worker: --shard-mb as given
+    assert tool.shard_size(64 * mib, 40 * mib, 2) == 40 * mib // (2 * tool.SHARDS_PER_WORKER)
+    assert tool.shard_size(64 * mib, 3 * mib, 2) == tool.MIN_SPLIT_BYTES    # not below 1 MiB
+    assert tool.shard_size(mib // 2, 3 * mib, 2) == mib // 2            # nor above --shard-mb
+    assert tool.shard_size(2 * mib, 10 ** 11, 8) == 2 * mib
+
+
+def large_jsonl(count=600):
+    """Documents of every kind a split must keep whole and in order: long and short, non-ASCII, empty
+    ones, blank lines between records."""
+    texts = [f"doc {i} naïve café 😀 " + "the quick brown fox jumps over the lazy dog " * (1 + i * 7 % 40)
+             for i in range(count)]
+    lines = [json.dumps({"text": "" if i % 97 == 0 else t, "n": i}) + ("\n\n" if i % 50 == 0 else "\n")
+             for i, t in enumerate(texts)]
+    return "".join(lines), texts
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "file"])
+def test_one_large_jsonl_is_split_among_the_workers_with_the_serial_output(tmp_path, monkeypatch, capsys,
+                                                                             tokenizer):
+    """The issue's case: --workers 2 on one JSON-lines file ran one shard. Now the file is cut into
+    line ranges for every worker, and every output file is byte for byte the one of --workers 1."""
+    content, texts = large_jsonl()
+    write_tree(tmp_path / "in", {"big.jsonl": content})
+    extra = []
+    if tokenizer == "file":
+        from tests.tokenized_data import byte_level_bpe
+        byte_level_bpe(tmp_path / "tok.json", texts[:50])
+        extra = ["--tokenizer", str(tmp_path / "tok.json")]
+    monkeypatch.setattr(tool, "MIN_SPLIT_BYTES", 4096)       # a test-sized file split as a large one is
+    assert run([tmp_path / "in"], tmp_path / "serial", *extra, "--workers", "1") == 0
+    assert run([tmp_path / "in"], tmp_path / "parallel", *extra, "--workers", "2", "--progress", "lines") == 0
+    shards = {int(total) for total in re.findall(r"shard \d+/(\d+)", capsys.readouterr().err)}
+    assert shards == {2 * tool.SHARDS_PER_WORKER}
+    names = sorted(path.name for path in (tmp_path / "serial").iterdir())
+    assert names == sorted(path.name for path in (tmp_path / "parallel").iterdir())
+    for name in names:
+        assert (tmp_path / "serial" / name).read_bytes() == (tmp_path / "parallel" / name).read_bytes(), name
+    assert len(documents_of(tmp_path / "parallel")) == sum(1 for i in range(len(texts)) if i % 97)
+
+
 class Killed(BaseException):
     """Stands for the process being killed mid-run (caught by nothing in the tool)."""
 
@@ -104,6 +154,26 @@ def test_an_interrupted_run_resumes_after_its_last_complete_shard(tmp_path, monk
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
 
 
+def test_a_run_resumes_under_another_worker_count_with_its_plan(tmp_path, monkeypatch):
+    write_tree(tmp_path / "in", {"part.jsonl": jsonl(TEXTS * 4)})
+    args = ["--shard-mb", "0.002"]
+    assert run([tmp_path / "in"], tmp_path / "whole", *args) == 0
+    real = tool.prepare_shard
+
+    def interrupted(task):
+        if task[0] == 2:
+            raise Killed
+        return real(task)
+
+    monkeypatch.setattr(tool, "prepare_shard", interrupted)
+    with pytest.raises(Killed):
+        run([tmp_path / "in"], tmp_path / "out", *args)
+    monkeypatch.setattr(tool, "prepare_shard", real)
+    assert run([tmp_path / "in"], tmp_path / "out", *args, "--workers", "2") == 0
+    for name in (TOKENS_FILE, OFFSETS_FILE):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
 def test_a_finished_dataset_is_overwritten_only_with_force(tmp_path, capsys):
     write_tree(tmp_path / "in", {"a.txt": "first version"})
     out = tmp_path / "out"
@@ -128,6 +198,9 @@ def test_a_finished_dataset_is_overwritten_only_with_force(tmp_path, capsys):
     ({"a.txt": "x"}, ["--suffixes", "txt"], "--suffixes"),
     ({"a.txt": "x"}, ["--workers", "0"], "--workers"),
     ({"a.csv": "x"}, [], r"no file with a suffix"),
+    ({"a.txt": "x", "b.md": "y"}, ["--text-key", "body"],
+     r"--text-key 'body' names the text field of JSON-lines / Parquet records, .*\(a\.txt, b\.md\) are "
+     r"text files.*drop --text-key"),
     ({"a.txt": b"\x00"}, [], r"no documents \(1 binary"),
 ])
 def test_bad_inputs_fail_with_a_message(tmp_path, capsys, files, extra, message):
