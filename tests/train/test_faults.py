@@ -12,6 +12,9 @@ from gdn_parallel.train.__main__ import run
 
 BASE = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "train.batch_size=2",
         "--set", "train.log_every=1", "--set", "train.eval_rows=2", "--set", "train.warmup_steps=1"]
+# A 2-step and a 3-step run compared step for step: a learning rate that does not read train.steps
+# (cosine gives the 2-step run's last update min_lr, the 3-step run's the peak)
+SAME_LR = ["--set", "train.lr_schedule=constant"]
 
 
 def poison_steps(monkeypatch, bad: set):
@@ -36,15 +39,15 @@ def parameters_after(out_dir):
 
 def test_a_non_finite_step_is_skipped_and_changes_nothing(tmp_path, monkeypatch):
     clean = tmp_path / "clean"
-    run(["--steps", "2", *BASE, "--set", f"train.out_dir={clean}"])
+    run(["--steps", "2", *BASE, *SAME_LR, "--set", f"train.out_dir={clean}"])
     poisoned = tmp_path / "poisoned"
     poison_steps(monkeypatch, {2})  # a third step that is skipped: the weights stay those after two
-    summary = run(["--steps", "3", *BASE, "--set", f"train.out_dir={poisoned}", "--set",
+    summary = run(["--steps", "3", *BASE, *SAME_LR, "--set", f"train.out_dir={poisoned}", "--set",
                    "train.warmup_steps=1"])
     assert summary["steps"] == 3
     records = [json.loads(line) for line in (poisoned / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("skipped_step") and r["step"] == 2 for r in records)
-    # the LR schedule differs between a 2-step and a 3-step run only after step 1: steps 0 and 1 match
+    # the same learning rate at steps 0 and 1 in both runs (SAME_LR): the same weights
     before, after = parameters_after(clean), parameters_after(poisoned)
     for name, value in before.items():
         assert torch.equal(value, after[name]), name

@@ -12,7 +12,7 @@ import torch
 from gdn_parallel.train import optim, step_outcome
 from gdn_parallel.train.step_outcome import step_unless_non_finite
 from tests.seeds import generator
-from tests.train.test_faults import BASE, parameters_after, poison_steps
+from tests.train.test_faults import BASE, SAME_LR, parameters_after, poison_steps
 from tests.train.test_host_reads import OnDevice
 
 
@@ -74,7 +74,8 @@ def test_the_trainer_books_a_device_skipped_step_as_before(tmp_path, monkeypatch
     real = step_outcome._takes_found_inf
     monkeypatch.setattr(step_outcome, "_takes_found_inf", lambda opt: decided.append(real(opt)) or real(opt))
     from gdn_parallel.train.__main__ import run
-    sparse = [*BASE, "--set", "train.log_every=5"]  # lines at the first and last steps: booked a step late
+    # lines at the first and last steps: booked a step late
+    sparse = [*BASE, *SAME_LR, "--set", "train.log_every=5"]
     clean = tmp_path / "clean"
     run(["--steps", "2", *sparse, "--set", f"train.out_dir={clean}"])
     poisoned = tmp_path / "poisoned"
