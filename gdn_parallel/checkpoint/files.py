@@ -182,9 +182,10 @@ def links_out_of(checkpoint: Path) -> list[tuple[str, Path]]:
     """(name, target) of each entry of checkpoint directory `checkpoint` that is a symbolic link
     resolving outside it. Its checksums would vouch for whatever file the link reaches (another run's,
     or any file), so such a checkpoint is not read."""
-    root = Path(checkpoint).resolve()
-    found = []
-    for entry in sorted(Path(checkpoint).iterdir()):
-        if entry.is_symlink() and entry.resolve().parent != root:
-            found.append((entry.name, entry.resolve()))
-    return found
+    return [(entry.name, entry.resolve()) for entry in sorted(Path(checkpoint).iterdir())
+            if entry.is_symlink() and resolves_outside(entry, checkpoint)]
+
+
+def resolves_outside(file: Path, checkpoint: Path) -> bool:
+    """Whether `file` of checkpoint directory `checkpoint`, links followed, lies outside it."""
+    return Path(file).resolve().parent != Path(checkpoint).resolve()

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .errors import CheckpointDeviceError, CheckpointError, CheckpointUnreadable
+from .files import resolves_outside
 from .ranks import describe
 
 METADATA_FILE = ".metadata"
@@ -131,10 +132,9 @@ def inside_checkpoint(file: Path, checkpoint: Path) -> None:
     """Refuse a data file that resolves outside its checkpoint directory (a symbolic link out): the
     checksums checked would vouch for another file. loading.verify refuses such a checkpoint before
     its tensors are read; this keeps DCP's reader to the directory too."""
-    target = Path(file).resolve()
-    if target.parent != Path(checkpoint).resolve():
-        raise CheckpointUnreadable(f"{file} resolves to {target}, outside the checkpoint directory; a "
-                                   f"checkpoint's files are read only from inside it")
+    if resolves_outside(file, checkpoint):
+        raise CheckpointUnreadable(f"{file} resolves to {Path(file).resolve()}, outside the checkpoint "
+                                   f"directory; a checkpoint's files are read only from inside it")
 
 
 def unsafe_tensor_data(file, err: BaseException) -> str:
