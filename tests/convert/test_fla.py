@@ -9,6 +9,7 @@ from flash-attn's documented semantics (causal; window_size=(left, 0) lets query
 i - left .. i; grouped KV heads; scale 1/sqrt(head_dim)), so fla's own projections, RoPE, head
 grouping and window setting (window_size - 1, 0) run around it."""
 import json
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -20,11 +21,16 @@ from gdn_parallel.convert.safetensors_io import read_folder
 
 from .conftest import all_tensors, assert_same_tensors, greedy_continuation, skip_unless_fla_generate_works
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
-fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is not installed "
-                                                      "(pip install -e '.[dev]')")
-GatedDeltaNetConfig, GatedDeltaNetForCausalLM = (fla_models.GatedDeltaNetConfig,
-                                                 fla_models.GatedDeltaNetForCausalLM)
+for _package, _name in (("transformers", "transformers"), ("fla", "flash-linear-attention")):
+    if find_spec(_package) is None:
+        pytest.skip(f"{_name} is not installed (pip install -e '.[dev]')", allow_module_level=True)
+
+
+def fla_models():
+    """fla.models, imported by the tests that use it: importing fla (and transformers) takes seconds,
+    which collection would pay for every run, even one that selects none of these tests."""
+    import fla.models
+    return fla.models
 
 
 @pytest.fixture
@@ -55,7 +61,8 @@ def flash_attn_reference(monkeypatch):
 
 def fla_logits(folder, ids) -> torch.Tensor:
     # fuse_* pick fla's fused Triton norms and SwiGLU, not weights: the plain PyTorch ones run faster here
-    fla_model = GatedDeltaNetForCausalLM.from_pretrained(folder, fuse_norm=False, fuse_swiglu=False).eval()
+    fla_model = fla_models().GatedDeltaNetForCausalLM.from_pretrained(folder, fuse_norm=False,
+                                                                      fuse_swiglu=False).eval()
     with torch.no_grad():
         return fla_model(ids).logits
 
@@ -70,7 +77,8 @@ def test_a_pure_gdn_export_loads_into_fla_strictly_and_gives_our_logits(gdn_chec
     folder = tmp_path / "hf"
     assert main(["to-hf", str(gdn_checkpoint), str(folder)]) == 0
     weights = read_folder(folder)
-    fla_model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig.from_pretrained(folder))
+    models = fla_models()
+    fla_model = models.GatedDeltaNetForCausalLM(models.GatedDeltaNetConfig.from_pretrained(folder))
     fla_model.load_state_dict(weights, strict=True)
     assert_same_tensors(fla_model.state_dict(), weights)
 
@@ -83,9 +91,9 @@ def test_a_hybrid_export_is_an_fla_model_with_our_names_and_logits(hybrid_checkp
                                                                     untimed_autotuning, flash_attn_reference):
     folder = tmp_path / "hf"
     assert main(["to-hf", str(hybrid_checkpoint), str(folder)]) == 0
-    config = GatedDeltaNetConfig.from_pretrained(folder)
+    config = fla_models().GatedDeltaNetConfig.from_pretrained(folder)
     assert [spec["window_size"] for spec in config.attn] == [8, None]
-    fla_model = GatedDeltaNetForCausalLM.from_pretrained(folder)
+    fla_model = fla_models().GatedDeltaNetForCausalLM.from_pretrained(folder)
     state = fla_model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embeddings.weight"].data_ptr()  # tied
     del state["lm_head.weight"]
@@ -98,10 +106,11 @@ def test_a_hybrid_export_is_an_fla_model_with_our_names_and_logits(hybrid_checkp
 
 def test_a_folder_written_by_fla_converts_bit_exactly(tmp_path):
     # fla's own init and save_pretrained; no output gate (a plain RMSNorm closes each layer)
-    config = GatedDeltaNetConfig(hidden_size=32, num_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=256,
-                                 use_gate=False, hidden_ratio=2)
+    models = fla_models()
+    config = models.GatedDeltaNetConfig(hidden_size=32, num_heads=2, head_dim=8, num_hidden_layers=2,
+                                        vocab_size=256, use_gate=False, hidden_ratio=2)
     torch.manual_seed(0)
-    fla_model = GatedDeltaNetForCausalLM(config)
+    fla_model = models.GatedDeltaNetForCausalLM(config)
     fla_model.save_pretrained(tmp_path / "fla")
     assert EMBEDDED not in json.loads((tmp_path / "fla" / "config.json").read_text())
     assert main(["from-hf", str(tmp_path / "fla"), str(tmp_path / "dcp")]) == 0
@@ -127,7 +136,8 @@ def test_transformers_generation_from_a_bpe_export_is_our_greedy_continuation(bp
     prompt = torch.tensor([[tokenizer.bos_token_id]
                            + tokenizer("the quick brown", add_special_tokens=False).input_ids])
     expected, _ = greedy_continuation(model_from_hf(folder).eval(), prompt, 8, generation.eos_token_id)
-    theirs = GatedDeltaNetForCausalLM.from_pretrained(folder, fuse_norm=False, fuse_swiglu=False).eval()
+    theirs = fla_models().GatedDeltaNetForCausalLM.from_pretrained(folder, fuse_norm=False,
+                                                                   fuse_swiglu=False).eval()
     with torch.no_grad():
         generated = theirs.generate(prompt, generation_config=generation, max_new_tokens=8, do_sample=False)
     assert generated[0, prompt.shape[1]:].tolist() == expected

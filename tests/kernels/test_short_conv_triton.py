@@ -83,15 +83,18 @@ OPTIONS = [(prefix, cu, bias, act) for prefix in (False, True) for cu in (False,
            if (prefix + cu + bias + (act is not None)) % 2 == 0]
 
 
-@pytest.mark.parametrize("with_prefix, with_cu, with_bias, activation", OPTIONS)
-@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
+# Width 1 with a prefix and documents is left out: the torch reference never reads an empty prefix
+# there, and autograd refuses the gradient of an input it did not read.
+WIDTH_OPTIONS = [(W, *options) for options in OPTIONS for W in (1, 2, 3, 4, 5)
+                 if not (W == 1 and options[0] and options[1])]
+
+
+@pytest.mark.parametrize("W, with_prefix, with_cu, with_bias, activation", WIDTH_OPTIONS)
 def test_every_width_with_and_without_each_option(monkeypatch, W, with_prefix, with_cu, with_bias,
                                                   activation):
     """The backward's first pass has one accumulator per tap for W <= 4 and a generic path beyond:
     each width, with and without prefix, documents, bias and activation (every three of them in each
     combination), over several chunks, tiles and channel blocks (the last of each partial)."""
-    if W == 1 and with_prefix and with_cu:
-        pytest.skip("the torch reference never reads an empty prefix here: autograd refuses its gradient")
     monkeypatch.setattr(sc, "BLOCK_T", 8)
     monkeypatch.setattr(sc, "DZ_BLOCK_T", 8)
     monkeypatch.setattr(sc, "BLOCK_D", 16)

@@ -8,6 +8,7 @@ from gdn_parallel.config import ConfigError, TrainConfig
 from gdn_parallel.model import HybridLM
 from gdn_parallel.parallel.checkpointing import apply_activation_checkpointing
 from tests.parallel.batches import make_batch
+from tests.parallel.launcher import SharedLaunch
 from tests.parallel.test_layouts import model_config
 from tests.seeds import seed_torch
 
@@ -85,8 +86,7 @@ def count_messages(rank, world, algorithm):
 
 @pytest.mark.parametrize("algorithm", ["relay", "allgather"])
 def test_recomputed_blocks_do_not_communicate_again(algorithm):
-    from tests.parallel.launcher import run_workers
-    assert all(run_workers(count_messages, 2, algorithm))
+    assert all(CP_CHECKS(("messages", algorithm)))
 
 
 def sends_own_their_bytes(rank, world, algorithm):
@@ -120,5 +120,12 @@ def sends_own_their_bytes(rank, world, algorithm):
 
 @pytest.mark.parametrize("algorithm", ["relay", "allgather"])
 def test_sends_do_not_hold_the_tensors_they_slice(algorithm):
-    from tests.parallel.launcher import run_workers
-    assert all(run_workers(sends_own_their_bytes, 2, algorithm))
+    assert all(CP_CHECKS(("sends", algorithm)))
+
+
+# The four 2-process cases above in one launch (tests/parallel/launcher.py, SharedLaunch). Each case
+# wraps comm.links' functions in its processes; a wrapper left by the case before passes every call
+# through, so the counts and sizes each case reads are its own.
+CP_CHECKS = SharedLaunch({(kind, algorithm): (2, check, algorithm)
+                          for kind, check in (("messages", count_messages), ("sends", sends_own_their_bytes))
+                          for algorithm in ("relay", "allgather")})

@@ -7,7 +7,7 @@ from gdn_parallel.comm import CPContext
 from gdn_parallel.ops.gated_delta_rule import gated_delta_rule
 from tests.compare import assert_close_set
 from tests.ops.gdn_inputs import gdn_inputs
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch
 from tests.seeds import generator, seed_torch
 
 # 96 tokens; documents crossing 0..3 rank boundaries at CP=4 (shards of 24; at CP=2 shards of 48).
@@ -76,7 +76,7 @@ def all_cases(rank, world, algorithm):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("algorithm", ["relay", "allgather"])
 def test_cp_gated_delta_rule_matches_single_process(world, algorithm):
-    assert all(run_workers(all_cases, world, algorithm))
+    assert all(CP_CASES(("chunk", world, algorithm)))
 
 
 def triton_cases(rank, world, algorithm):
@@ -130,7 +130,7 @@ def check_gate_activation_case(rank, world, cu, algorithm):
 def test_cp_triton_matches_single_process(algorithm):
     """Four ranks: the first only sends, the last only receives, the middle ones both (two ranks add
     nothing the kernels' path could get wrong; the PyTorch path runs both worlds above)."""
-    assert all(run_workers(triton_cases, 4, algorithm))
+    assert all(CP_CASES(("triton", 4, algorithm)))
 
 
 def autocast_allgather_case(rank, world):
@@ -156,4 +156,12 @@ def autocast_allgather_case(rank, world):
 
 
 def test_allgather_under_autocast_keeps_one_summary_dtype():
-    assert all(run_workers(autocast_allgather_case, 2))
+    assert all(CP_CASES("autocast"))
+
+
+# Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
+CP_CASES = SharedLaunch({
+    **{("chunk", world, algorithm): (world, all_cases, algorithm)
+       for world in (2, 4) for algorithm in ("relay", "allgather")},
+    **{("triton", 4, algorithm): (4, triton_cases, algorithm) for algorithm in ("relay", "allgather")},
+    "autocast": (2, autocast_allgather_case)})

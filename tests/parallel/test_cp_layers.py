@@ -8,7 +8,7 @@ from gdn_parallel.comm import CPContext
 from gdn_parallel.ops.attention import attention
 from gdn_parallel.ops.short_conv import causal_conv1d
 from tests.compare import assert_close_set, is_degenerate, set_size
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch
 from tests.seeds import generator
 
 
@@ -88,7 +88,7 @@ def layer_cases(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_conv_and_attention_match_single_process(world):
-    assert all(run_workers(layer_cases, world))
+    assert all(LAYER_CASES(("layers", world)))
 
 
 def conv_impl_case(rank, world):
@@ -124,7 +124,7 @@ def conv_impl_case(rank, world):
 
 def test_cp_conv_impl_triton_matches_torch():
     pytest.importorskip("triton")
-    assert all(run_workers(conv_impl_case, 2))
+    assert all(LAYER_CASES("conv_impl"))
 
 
 @pytest.mark.parametrize("cu, rank", [([0, 40], 1),            # a halo of the whole window
@@ -157,3 +157,9 @@ def test_sliding_window_keys_have_one_length(cu, rank):
     ref = masked_attention(q, *real.split(dim, -1), q_index=q_index, k_index=real_index, q_doc=q_doc,
                            k_doc=real_doc, window=window, impl="sdpa")
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+# Shared launches (tests/parallel/launcher.py, SharedLaunch). conv_impl wraps the kernel getter in its
+# processes: a pass-through that counts calls, so the cases after it run the same kernel.
+LAYER_CASES = SharedLaunch({("layers", 2): (2, layer_cases), ("layers", 4): (4, layer_cases),
+                            "conv_impl": (2, conv_impl_case)})

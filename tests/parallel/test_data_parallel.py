@@ -21,7 +21,7 @@ from gdn_parallel.parallel.data_parallel import (
 from gdn_parallel.parallel.mesh import build_mesh
 from tests.compare import assert_close_set, rel_err
 from tests.parallel.batches import make_batch
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch, run_workers
 from tests.seeds import generator, seed_torch
 
 TOTAL = 48
@@ -209,15 +209,15 @@ def clip_cases(rank, world):
 
 
 def test_dp2_and_cp2_fsdp_and_ddp_match_single_process():
-    assert all(run_workers(two_process_cases, 2))
+    assert all(DP_CASES("dp2_cp2_two_process"))
 
 
 def test_dp2_cp2_fsdp_and_ddp_match_single_process():
-    assert all(run_workers(dp2_cp2_cases, 4))
+    assert all(DP_CASES("dp2_cp2"))
 
 
 def test_clip_grad_norm_over_pp_tp_and_fsdp_tp():
-    assert all(run_workers(clip_cases, 4))
+    assert all(DP_CASES("clip"))
 
 
 def test_unknown_data_parallel_mode_is_rejected():
@@ -240,7 +240,7 @@ def _normalizers(rank, world_size):
 def test_the_loss_normalizer_stays_on_the_device_over_dp():
     """Over dp replicas the step's divisor is an all-reduced tensor, never a host number (which would be
     a device read on a GPU): the labels summed, at least 1; with dp = 1 the host's own count."""
-    assert run_workers(_normalizers, 2) == [[("Tensor", 8), ("Tensor", 1)]] * 2
+    assert DP_CASES("normalizers") == [[("Tensor", 8), ("Tensor", 1)]] * 2
     assert run_workers(_normalizers, 1) == [[("int", 7), ("int", 1)]]
 
 
@@ -299,3 +299,8 @@ def test_ddp_hook_result_waits_for_every_collective(monkeypatch, world, reduce_d
     assert len(queued) == (1 if world <= 2 else len(grads))
     assert result.data_ptr() == bucket.buffer().data_ptr()
     assert torch.equal(result, expected)
+
+
+# Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
+DP_CASES = SharedLaunch({"dp2_cp2_two_process": (2, two_process_cases), "normalizers": (2, _normalizers),
+                         "dp2_cp2": (4, dp2_cp2_cases), "clip": (4, clip_cases)})

@@ -13,7 +13,7 @@ from gdn_parallel.parallel.parallelize import parallelize
 from gdn_parallel.parallel.tensor import full_tensor
 from tests.compare import assert_close_set, rel_err
 from tests.parallel.batches import make_batch
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch
 from tests.seeds import seed_torch, seeded
 from tests.verify.helpers import LAYOUTS
 
@@ -22,7 +22,7 @@ MICROBATCHES = 2
 
 CI_LAYOUTS = ["tp2", "tp2_sp", "pp2_1f1b", "pp2_interleaved", "dp2_fsdp", "dp2_ddp", "cp2", "tp2_cp2",
               "pp2_cp2", "pp2_tp2", "dp2_cp2", "dp2_tp2"]
-SLOW_LAYOUTS = {"pp2_tp2_cp2": LAYOUTS["pp2_tp2_cp2"], "dp2_tp2_cp2_sp_ddp": dict(
+EIGHT_PROCESS_LAYOUTS = {"pp2_tp2_cp2": LAYOUTS["pp2_tp2_cp2"], "dp2_tp2_cp2_sp_ddp": dict(
     dp=2, tp=2, cp=2, sequence_parallel=True, data_parallel="ddp")}
 
 
@@ -80,24 +80,23 @@ def world_of(layout):
     return ParallelConfig(**layout).world_size
 
 
+RECOMPUTED_LAYOUTS = ["cp2", "pp2_cp2", "dp2_tp2"]
+
+
 @pytest.mark.parametrize("name", CI_LAYOUTS)
 def test_layout_matches_single_process(name):
-    layout = LAYOUTS[name]
-    assert all(run_workers(check_layout, world_of(layout), layout))
+    assert all(LAYOUT_CASES((name, "none")))
 
 
-@pytest.mark.parametrize("name", ["cp2", "pp2_cp2", "dp2_tp2"])
+@pytest.mark.parametrize("name", RECOMPUTED_LAYOUTS)
 def test_layout_with_activation_checkpointing_matches_single_process(name):
     """Recomputed blocks re-run their CP hand-overs, TP collectives and FSDP gathers: still exact."""
-    layout = LAYOUTS[name]
-    assert all(run_workers(check_layout, world_of(layout), layout, "full"))
+    assert all(LAYOUT_CASES((name, "full")))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
+@pytest.mark.parametrize("name", list(EIGHT_PROCESS_LAYOUTS))
 def test_eight_process_layout_matches_single_process(name):
-    layout = SLOW_LAYOUTS[name]
-    assert all(run_workers(check_layout, world_of(layout), layout))
+    assert all(LAYOUT_CASES((name, "none")))
 
 
 def check_fsdp_bf16_autocast(rank, world):
@@ -122,4 +121,15 @@ def check_fsdp_bf16_autocast(rank, world):
 
 
 def test_fsdp_with_bf16_autocast_over_microbatches():
-    assert all(run_workers(check_fsdp_bf16_autocast, 2))
+    assert all(LAYOUT_CASES("fsdp_bf16_autocast"))
+
+
+# Every case of this module by (layout, activation checkpointing), run in launches shared by world size
+# across the modules (tests/parallel/launcher.py, SharedLaunch).
+LAYOUT_CASES = SharedLaunch({
+    **{(name, "none"): (world_of(LAYOUTS[name]), check_layout, LAYOUTS[name]) for name in CI_LAYOUTS},
+    **{(name, "full"): (world_of(LAYOUTS[name]), check_layout, LAYOUTS[name], "full")
+       for name in RECOMPUTED_LAYOUTS},
+    **{(name, "none"): (world_of(layout), check_layout, layout)
+       for name, layout in EIGHT_PROCESS_LAYOUTS.items()},
+    "fsdp_bf16_autocast": (2, check_fsdp_bf16_autocast)})

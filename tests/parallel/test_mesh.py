@@ -7,7 +7,7 @@ import torch
 
 from gdn_parallel.config import ParallelConfig
 from gdn_parallel.parallel.mesh import MESH_DIMS, build_mesh
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch, run_workers
 
 
 def _timeout(group) -> timedelta:
@@ -21,7 +21,7 @@ def mesh_timeouts(rank, world):
 
 
 def test_the_mesh_groups_take_the_run_timeout():
-    for timeouts in run_workers(mesh_timeouts, 4):
+    for timeouts in MESH_TIMEOUTS("timeouts"):
         assert timeouts == {name: timedelta(seconds=7) for name in (*MESH_DIMS, "dp_cp")}, timeouts
 
 
@@ -50,7 +50,13 @@ def cp_links(rank, world):
 
 
 def test_cp_neighbours_are_linked_before_the_first_step():
+    # a launch of its own: the links a process holds are all the meshes it built (a shared launch's
+    # other cases link other pairs)
     for rank, (linked, batched, timeouts) in enumerate(run_workers(cp_links, 4)):
         assert linked == {peer: abs(peer - rank) == 1 for peer in range(4) if peer != rank}, (rank, linked)
         assert batched == [1] * ((rank < 3) + (rank > 0)), batched
         assert set(timeouts.values()) == {timedelta(seconds=7)}, timeouts
+
+
+# Shares a launch of 4 processes with other modules' cases (tests/parallel/launcher.py, SharedLaunch).
+MESH_TIMEOUTS = SharedLaunch({"timeouts": (4, mesh_timeouts)})

@@ -25,7 +25,7 @@ from gdn_parallel.parallel.pipeline import (
 )
 from gdn_parallel.parallel.tensor import apply_tensor_parallel, full_tensor, reduce_tp_partial_grads
 from tests.compare import assert_close_set, rel_err
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch, run_workers
 from tests.seeds import generator, seed_torch
 
 TOTAL = 32   # tokens of one microbatch row
@@ -177,7 +177,7 @@ def pp_cp_case(rank, world):
 
 
 def test_pipeline_pp2_cp2_matches_single_process():
-    assert all(run_workers(pp_cp_case, 4))
+    assert all(PIPELINE_CASES("pp2_cp2"))
 
 
 def pp_tp_fused_case(rank, world):
@@ -190,7 +190,11 @@ def pp_tp_fused_case(rank, world):
 
 def test_pipeline_pp2_tp2_fused_linear_cross_entropy_matches_single_process():
     # Under tp the last stage's criterion is VocabParallelLinearCrossEntropy (lm_head split by vocab).
-    assert all(run_workers(pp_tp_fused_case, 4))
+    assert all(PIPELINE_CASES("pp2_tp2_fused"))
+
+
+# Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
+PIPELINE_CASES = SharedLaunch({"pp2_cp2": (4, pp_cp_case), "pp2_tp2_fused": (4, pp_tp_fused_case)})
 
 
 # ------------------------------------------------------------------------- no processes

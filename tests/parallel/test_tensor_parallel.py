@@ -20,7 +20,7 @@ from gdn_parallel.parallel.tensor import (
 from gdn_parallel.parallel.tensor_collectives import vocab_parallel_cross_entropy
 from tests.compare import assert_close_set, rel_err
 from tests.parallel.batches import make_batch
-from tests.parallel.launcher import run_workers
+from tests.parallel.launcher import SharedLaunch, run_workers
 from tests.seeds import generator, seed_torch
 
 TOTAL = 48
@@ -103,7 +103,7 @@ def tp_cp_cases(rank, world):
 
 
 def test_tp2_hybrid_lm_matches_single_process():
-    assert all(run_workers(tp_cases, 2))
+    assert all(TP_CASES("tp2"))
 
 
 def test_tp2_cp2_hybrid_lm_matches_single_process():
@@ -142,4 +142,8 @@ def collective_cases(rank, world):
 
 
 def test_vocab_parallel_cross_entropy_and_sequence_shard():
-    assert all(run_workers(collective_cases, 2))
+    assert all(TP_CASES("collectives"))
+
+
+# Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
+TP_CASES = SharedLaunch({"tp2": (2, tp_cases), "collectives": (2, collective_cases)})

@@ -21,7 +21,7 @@ def h1(seq_len, *overrides):
 
 
 # The shipped configs as they run (no checkpointing, micro-batches of 4 and 8): the smoke run on
-# nvidia-h100-x1 (docs/gpu_smoke_h100.json).
+# nvidia-h100-x1 (docs/results/gpu_smoke_h100.json).
 SHIPPED = [("gdn-0.4b", 51.6), ("gdn-1.3b", 59.2), ("h1-0.4b", 40.9), ("h1-1.3b", 52.5)]
 
 
