@@ -156,14 +156,16 @@ def init_distributed(env: LaunchEnv, timeout_s: float = TrainConfig.collective_t
 
 
 def _join(env: LaunchEnv, backend: str, timeout: timedelta, device: torch.device) -> None:
-    """Form the group and meet every peer once: NCCL connects lazily, at the first collective, so the
-    barrier ends the start-up wait here on every backend."""
+    """Form the group and meet every peer once, so that the start-up wait ends here on every backend.
+    On CUDA the group is bound to this rank's device (device_id): its barriers then need no guess of
+    the device (torch warned at each one) and NCCL connects now, not inside the first step."""
     store = _store_of_this_attempt(env, timeout)
+    bound = {"device_id": device} if device.type == "cuda" else {}
     if store is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
     else:
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+                                timeout=timeout, **bound)
     if device.type == "cuda":
         dist.barrier(device_ids=[device.index])
     else:

@@ -330,6 +330,23 @@ def test_init_distributed_joins_a_group(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_cuda_group_is_bound_to_its_rank_device(monkeypatch):
+    """On CUDA the group is formed with device_id: torch then knows every barrier's device (without it
+    each barrier warned on every rank, 24 lines in one 2-GPU gdn-verify) and NCCL connects at start-up.
+    A CPU group gets no device_id."""
+    calls = []
+    monkeypatch.setattr(launch_env, "_store_of_this_attempt", lambda env, timeout: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(("barrier", kw)))
+    env = LaunchEnv(1, 2, 1, 2, "127.0.0.1", 1, "torchrun")
+    launch_env._join(env, "nccl", timedelta(seconds=5), torch.device("cuda", 1))
+    assert calls[0][2]["device_id"] == torch.device("cuda", 1)
+    assert calls[1] == ("barrier", {"device_ids": [1]})
+    calls.clear()
+    launch_env._join(env, "gloo", timedelta(seconds=5), torch.device("cpu"))
+    assert "device_id" not in calls[0][2]
+
+
 TORCHRUN_RESTARTS = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
                      "TORCHELASTIC_MAX_RESTARTS")
 
