@@ -85,13 +85,15 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, rule: Rule | None = None,
-            choices: tuple = (), factory: Callable[[], Any] | None = None) -> Any:
+            choices: tuple = (), factory: Callable[[], Any] | None = None, integer_text: bool = False) -> Any:
     """A config field (dataclasses.field) carrying its help, its range rule and its choices in its
-    metadata; `factory` instead of `default` for a mutable default."""
+    metadata; `factory` instead of `default` for a mutable default. integer_text: a text field that a
+    bare integer may be written for (YAML reads it as a number; the field keeps its digits)."""
     if not help.strip():  # the help is what --print-config, --help-config and the range errors say
         raise TypeError("a config field needs its help: setting(default, help, ...)")
     return field(default=default, default_factory=dataclasses.MISSING if factory is None else factory,
-                 metadata={"help": help, "rule": rule, "choices": tuple(choices)})
+                 metadata={"help": help, "rule": rule, "choices": tuple(choices),
+                           "integer_text": integer_text})
 
 
 def _at_least(low: int, or_null: bool = False) -> Rule:
@@ -353,7 +355,8 @@ class TrainConfig:
     """The optimizer, its learning-rate schedule, evaluation, and where and how the run executes."""
     seq_len: int = setting(256, "tokens per sequence: a sequence needs an input token and the label after "
                                 "it, e.g. 256", rule=_at_least(2))
-    batch_size: int = setting(4, "sequences per optimizer step", rule=_at_least(1))
+    batch_size: int = setting(4, "sequences per optimizer step on each data-parallel replica (the global "
+                                 "batch is parallel.dp times this)", rule=_at_least(1))
     microbatch_size: int = setting(
         0, "sequences per forward/backward, dividing train.batch_size: gradient accumulation, and the "
            "pipeline's micro-batches under pipeline parallelism (0: the whole batch)", rule=_at_least(0))
@@ -417,7 +420,7 @@ class TrainConfig:
     profile_steps: str = setting(
         "", "steps to profile, FIRST,LAST (e.g. 10,12; one step: 10; '': none): a chrome trace and a table "
             "of where their time went (matmul, GDN kernels, conv + norm, ..., GPU idle) under "
-            "<train.out_dir>/profile/, the table also printed")
+            "<train.out_dir>/profile/, the table also printed", integer_text=True)
     max_skipped_steps: int = setting(
         3, "non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3",
         rule=_at_least(1))
@@ -899,7 +902,10 @@ def _build(cls, data: dict, prefix: str):
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(value, hint, prefix + name, declared[name].metadata.get("choices", ()))
+            metadata = declared[name].metadata
+            if metadata.get("integer_text") and isinstance(value, int) and not isinstance(value, bool):
+                value = str(value)
+            kwargs[name] = _coerce(value, hint, prefix + name, metadata.get("choices", ()))
     return cls(**kwargs)
 
 

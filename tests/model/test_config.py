@@ -290,6 +290,16 @@ def test_on_off_fields_take_yaml_booleans(tmp_path, word, value):
         Config.from_yaml(TINY, ["train.out_dir=off"])
 
 
+def test_a_text_field_takes_a_bare_integer_as_the_text_written(tmp_path):
+    """YAML reads `profile_steps: 3` (one step) as the integer 3; the field keeps "3" (torchrun on 2 H200s,
+    2026-11-28: `--set train.profile_steps=7` stopped with "must be a string")."""
+    settings = ["train.steps=5", "train.warmup_steps=1"]
+    assert Config.from_yaml(TINY, [*settings, "train.profile_steps=3"]).train.profile_window == (3, 3)
+    path = tmp_path / "profile.yaml"
+    path.write_text("train:\n  steps: 5\n  warmup_steps: 1\n  profile_steps: 3\n")
+    assert Config.from_yaml(path).train.profile_steps == "3"
+
+
 def test_out_dir_must_be_a_directory_that_can_be_written(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
