@@ -12,8 +12,10 @@ def _settings(name: str, n: int) -> dict[str, str]:
 
 
 def test_each_dimension_keeps_each_gpus_work():
-    # dp: the config's batch of 8 a replica; cp: 64K tokens a rank; tp: the same batch
-    assert _settings("dp", 4)["train.batch_size"] == "32" and _settings("dp", 4)["parallel.dp"] == "4"
+    # dp: the config's batch of 8 a replica (train.batch_size is per replica: 8n, as first written, gave
+    # each GPU n times the work); cp: 64K tokens a rank; tp: the same batch
+    assert _settings("dp", 4)["train.batch_size"] == "8" and _settings("dp", 4)["parallel.dp"] == "4"
+    assert _settings("dp", 4)["train.microbatch_size"] == "4"
     for name, algorithm in (("cp", "relay"), ("cp-allgather", "allgather")):
         at_two = _settings(name, 2)
         assert at_two["train.seq_len"] == str(2 * 65536) and at_two["parallel.cp"] == "2"
@@ -52,3 +54,20 @@ def test_smoke_runs_the_trainer_and_writes_table_json_and_plot(tmp_path, capsys)
     assert "| cp | 2 |" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_rows_past_the_budget_are_listed_as_not_run_and_each_row_is_kept_as_it_ends(tmp_path, monkeypatch):
+    """A device call can stop the tool: scaling.json holds every finished row after each one, and the
+    rows --budget-s leaves no time for are named, not dropped."""
+    seen = []
+
+    def fake_row(dim, n, args, extra):
+        seen.append(json.loads((tmp_path / "scaling.json").read_text())["rows"] if seen else [])
+        monkeypatch.setattr(bench_scaling.time, "monotonic", lambda: 1e9)   # the budget is spent now
+        return {"dimension": dim.name, "gpus": n, "status": 0, "tokens_per_s": 10.0, "loss_fell": True}
+
+    monkeypatch.setattr(bench_scaling, "measure_row", fake_row)
+    status = bench_scaling.main(["--smoke", "--dims", "dp", "--budget-s", "60", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert status == 1 and len(seen) == 1
+    assert [r["status"] for r in rows] == [0, "not run: --budget-s 60 spent"]

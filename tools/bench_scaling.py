@@ -12,7 +12,8 @@ first steps left out).
 Efficiency = tokens/s per GPU at n GPUs / tokens/s of the one-GPU run of the same dimension, all in one
 call of this tool (the same machine, the same software). Each dimension keeps each GPU's work as its
 issue defines it:
-    dp            gdn-1.3b, the config's batch (8, micro-batches of 4) per replica: batch 8n over dp = n
+    dp            gdn-1.3b, the config's batch (8, micro-batches of 4) per replica (train.batch_size is per
+                  data-parallel replica: the global batch is 8n at dp = n)
     cp            h1-1.3b, full checkpointing, 64K tokens a rank: one row of 64K * n tokens over cp = n
     cp-allgather  the same with parallel.cp_algorithm=allgather
     tp            h1-1.3b, the config's batch over tp = n (the same batch: strong scaling per replica)
@@ -22,6 +23,7 @@ Prints the table, writes JSON (`--out`/scaling.json) and a plot (scaling.png, wh
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -45,7 +47,7 @@ class Dimension:
 
 
 def _dp(n: int, batch: int = 8, micro: int = 4) -> list[str]:
-    return [f"parallel.dp={n}", f"train.batch_size={batch * n}", f"train.microbatch_size={micro}"]
+    return [f"parallel.dp={n}", f"train.batch_size={batch}", f"train.microbatch_size={micro}"]
 
 
 def _cp(n: int, tokens: int = CP_TOKENS_PER_RANK, algorithm: str = "relay") -> list[str]:
@@ -191,6 +193,8 @@ def parse_args(argv=None):
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="FIELD=VALUE",
                         help="a setting for every run, e.g. data.source=DIR")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per run")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no run after this many seconds (the rest are listed as not run)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/bench_scaling")))
     parser.add_argument("--smoke", action="store_true", help="CPU gloo, the tiny config, 1 and 2 processes")
     args = parser.parse_args(argv)
@@ -208,25 +212,38 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_scaling: --dims {','.join(unknown)} unknown; "
                          f"choose of {', '.join(table_of)}")
     sizes = _sizes(args)
+    if importlib.util.find_spec("gdn_kernels") is None:
+        raise SystemExit("bench_scaling: the package's kernels (gdn_kernels) are not importable; install "
+                         "the project first: pip install --no-deps --no-build-isolation -e .")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, start = [], time.monotonic()
     for name in names:
         for n in sizes:
-            row = measure_row(table_of[name], n, args, args.extra)
-            print(f"{name} x{n}: status {row['status']} in {row['wall_s']} s, tokens/s {row['tokens_per_s']}",
-                  flush=True)
-            rows.append(row)
-    efficiencies(rows)
-    text = table(rows)
-    print(text)
+            if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                rows.append({"dimension": name, "gpus": n, "config": table_of[name].config,
+                             "status": f"not run: --budget-s {args.budget_s:g} spent", "tokens_per_s": None})
+            else:
+                rows.append(measure_row(table_of[name], n, args, args.extra))
+            row = rows[-1]
+            print(f"{name} x{n}: status {row['status']} in {row.get('wall_s', 0)} s, "
+                  f"tokens/s {row['tokens_per_s']}", flush=True)
+            report = write_report(rows, args, table_of, names)   # after every row: a stopped call keeps them
+    print(report["table"])
     no_plot = plot(rows, args.out / "scaling.png")
     if no_plot:
         print(no_plot)
-    report = {"device": device_name(), "smoke": args.smoke, "steps": args.steps, "skip": args.skip,
-              "dimensions": {n: table_of[n].meaning for n in names}, "rows": rows, "table": text}
-    (args.out / "scaling.json").write_text(json.dumps(report, indent=1))
     failed = [r for r in rows if r["status"] != 0 or r["tokens_per_s"] is None or not r["loss_fell"]]
     return 1 if failed else 0
+
+
+def write_report(rows: list[dict], args, table_of: dict, names: list[str]) -> dict:
+    """scaling.json with the rows so far, their efficiencies (in place) and the table."""
+    efficiencies(rows)
+    report = {"device": device_name(), "smoke": args.smoke, "steps": args.steps, "skip": args.skip,
+              "settings": args.extra, "dimensions": {n: table_of[n].meaning for n in names}, "rows": rows,
+              "table": table(rows)}
+    (args.out / "scaling.json").write_text(json.dumps(report, indent=1))
+    return report
 
 
 def _sizes(args) -> list[int]:
