@@ -5,6 +5,8 @@
 #   bash tools/gpu_acceptance.sh fp32_256  (the one fp32 K = V = 256 case: minutes of compilation)
 #   bash tools/gpu_acceptance.sh ab        (tools/bench_ab.py: this tree's trainer against .bench_baseline's)
 #   bash tools/gpu_acceptance.sh ab_stream (the same, model.residual_in_fp32=false against this tree's default)
+#   bash tools/gpu_acceptance.sh scaling   (tools/bench_scaling.py: dp, cp, cp-allgather, tp at 1, 2, 4 GPUs;
+#                                           scaling_profile: 1 and 2 GPUs with a profiled step, every rank's trace)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
 #                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
@@ -97,6 +99,23 @@ if [[ " $parts " == *" ab_stream "* ]]; then  # this tree with a bf16 residual s
         --steps 40 --profile 35,36 --set train.log_every=10 --timeout 130 \
         --configs configs/gdn-0.4b.yaml,configs/gdn-1.3b.yaml --out "$out/bench_ab_stream"
     tail -30 "$out/bench_ab_stream.log"
+fi
+# The scaling table (issue 42): the trainer at 1, 2, (4) GPUs per dimension, in one call (rows past the
+# budget are listed as not run; scaling.json is written after each row). `scaling_profile`: the same at 1
+# and 2 GPUs with one step profiled; every rank's trace comes back, one archive a run.
+if [[ " $parts " == *" scaling "* ]]; then
+    step scaling 590 python3 tools/bench_scaling.py --steps 12 --skip 4 --timeout-s 150 --budget-s 450 \
+        --out "$out/scaling"
+    grep -A14 "^| dimension" "$out/scaling.log"
+fi
+if [[ " $parts " == *" scaling_profile "* ]]; then
+    step scaling_profile 590 python3 tools/bench_scaling.py --sizes 1,2 --steps 9 --skip 4 \
+        --set train.profile_steps=7 --timeout-s 120 --budget-s 450 --out "$out/scaling_profile"
+    for profile in "$out"/scaling_profile/runs/*/profile; do   # one file a run: the device returns 8 at most
+        run=$(basename "$(dirname "$profile")")
+        tar czf "$out/profile_$run.tgz" -C "$profile" . && rm -r "$profile"
+    done
+    grep -A9 "^| dimension" "$out/scaling_profile.log"
 fi
 # The multi-GPU acceptance (issue 41): gdn-verify --checkpoint bf16 over every default layout, the
 # long-context config across an asynchronous save and resumed from it, the restart drill. On 4 GPUs the
