@@ -167,6 +167,13 @@ class ModelConfig:
     rope_theta: float = setting(10000.0, "the RoPE base, e.g. 10000.0", rule=_number_above(0.0))
     attn_output_gate: bool = setting(False, "gate the attention output (a sigmoid gate from the layer input)")
     attn_qkv_bias: bool = setting(False, "biases in the attention q, k and v projections")
+    attn_qk_norm: bool = setting(
+        False, "an RMSNorm over each query and key head before RoPE (one weight of the head size for the "
+               "queries, one for the keys; Qwen3 and Qwen3-Next attention)")
+    attn_rotary_dim: int | None = setting(
+        None, "the channels of each attention head that RoPE rotates, the first ones, even (null: the "
+              "whole head; 0: no RoPE, as Kimi Linear's full attention; a quarter of the head: "
+              "Qwen3-Next's partial rotary)", rule=_at_least(0, or_null=True))
     attn_impl: str = setting("auto", "the attention op: auto (flex on CUDA, sdpa elsewhere), sdpa or flex",
                              choices=ATTENTION_IMPLS)
     # SwiGLU MLP
@@ -213,6 +220,11 @@ class ModelConfig:
         return self.attn_head_dim or self.hidden_size // self.attn_num_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """The channels of each attention head RoPE rotates (model.attn_rotary_dim, null: all)."""
+        return self.attn_dim if self.attn_rotary_dim is None else self.attn_rotary_dim
+
+    @property
     def mlp_dim(self) -> int:
         if self.intermediate_size is not None:
             return self.intermediate_size
@@ -254,7 +266,13 @@ class ModelConfig:
             raise ConfigError(
                 f"model.attn_num_kv_heads={self.num_kv_heads} must divide model.attn_num_heads="
                 f"{self.attn_num_heads} (grouped-query heads); change one of them")
-        if self.attn_dim % 2:  # RoPE rotates pairs of channels
+        if self.attn_rotary_dim is not None:
+            if self.attn_rotary_dim > self.attn_dim or self.attn_rotary_dim % 2:
+                raise ConfigError(f"model.attn_rotary_dim={self.attn_rotary_dim} must be even and at most "
+                                  f"the attention head size {self.attn_dim} (RoPE rotates pairs of "
+                                  f"channels); choose an even number <= {self.attn_dim}, 0 for no RoPE or "
+                                  f"null for all")
+        elif self.attn_dim % 2:  # RoPE rotates pairs of channels
             if self.attn_head_dim is not None:
                 raise ConfigError(f"model.attn_head_dim={self.attn_head_dim} must be even for RoPE; "
                                   f"choose an even size")
@@ -559,7 +577,8 @@ class ParallelConfig:
 
     def _validate_model(self, model: ModelConfig) -> None:
         tp = self.tp
-        # The mixers' head counts are the model layer's rules (model/mixers.py: check_layers(model, tp)).
+        # The mixers' head counts, and whether each takes parallel.cp and train.recompute_chunks, are the
+        # model layer's rules (model/mixers.py: check_layers(model, tp, cp, recompute_chunks)).
         checks = [("MLP width (model.intermediate_size)", model.mlp_dim),
                   ("model.vocab_size", model.vocab_size)]
         for name, value in checks:

@@ -12,8 +12,9 @@ no field for (gdn_chunk_size, the implementations, a null that means 'derived') 
 trip; it must agree with the fla fields.
 
 What fla's format cannot express is refused, naming it: attention output gates (fla's Attention has
-no g_proj), attention heads not of size hidden_size / num_heads (fla derives it), short-convolution
-biases (GatedDeltaNetBlock builds its convolutions without), and on the way in: use_short_conv=false,
+no g_proj), query/key norms and partial or no RoPE (its model's attention layers have neither),
+attention heads not of size hidden_size / num_heads (fla derives it), short-convolution biases
+(GatedDeltaNetBlock builds its convolutions without), and on the way in: use_short_conv=false,
 hidden_act other than swish, a sigmoid output gate, attention residuals (attnres_block_size),
 attention specs that differ in anything but the window, more than one window size.
 """
@@ -108,6 +109,12 @@ def format_refusals(model: ModelConfig) -> list[str]:
     if any(kind in kinds for kind in _fla_attention_kinds()):
         if model.attn_output_gate:
             refused.append("model.attn_output_gate=true: fla's Attention layer has no output gate (g_proj)")
+        if model.attn_qk_norm:
+            refused.append("model.attn_qk_norm=true: fla's Attention has q_norm and k_norm, but "
+                           "GatedDeltaNetForCausalLM's attention layers do not turn them on")
+        if model.rotary_dim != model.attn_dim:
+            refused.append(f"model.attn_rotary_dim={model.attn_rotary_dim}: fla's Attention rotates the "
+                           f"whole head ({model.attn_dim} channels)")
         fla_head = model.hidden_size // model.attn_num_heads
         if model.attn_dim != fla_head or model.hidden_size % model.attn_num_heads:
             refused.append(f"attention heads of {model.attn_dim} (model.attn_head_dim): fla's Attention "

@@ -55,7 +55,7 @@ def layout_config(saved_config: dict, layout: str) -> Config:
         config.parallel.sequence_parallel = False   # the saved run's, meaningless without tp
     config.model.validate()
     config.parallel.validate(config.model)
-    check_layers(config.model, config.parallel.tp)
+    check_layers(config.model, config.parallel.tp, config.parallel.cp)
     return config
 
 
@@ -83,7 +83,7 @@ def run_config(config: Config, saved_dp: int, overrides: list[str]) -> tuple[Con
     try:
         config.train.validate()
         config.parallel.validate(config.model, config.train)
-        check_layers(config.model, config.parallel.tp)
+        check_layers(config.model, config.parallel.tp, config.parallel.cp, config.train.recompute_chunks)
     except ConfigError as err:
         raise ConvertError(f"the config.yaml --out would write does not train under this layout: {err} (give "
                            f"it with --set, e.g. --set train.microbatch_size=1)") from None

@@ -4,12 +4,14 @@ says what a layer type is (docs/design.md, "Adding a mixer").
 Everything that differs between layer types reads its entry: building the module (model), its FLOPs,
 the settings that decide its weights (model/architecture.py: conversions and resume), the head counts
 tensor parallelism splits and the checks on them (`check_layers`), the residual output scaled at init,
-and how tensor parallelism slices it (`TensorParallelLayout`, data that parallel/tensor.py applies: the
-model layer cannot import the parallel layer above it).
+how tensor parallelism slices it (`TensorParallelLayout`, data that parallel/tensor.py applies: the
+model layer cannot import the parallel layer above it), how it runs on a row split over context-parallel
+ranks or recompute chunks (`ContextParallelForm`, checked by `check_layers` and
+parallel/checkpointing.py) and the activation memory it keeps (train/memory_model.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -48,6 +50,34 @@ class TensorParallelLayout:
 
 
 @dataclass(frozen=True)
+class ContextParallelForm:
+    """How a mixer's ops run on one piece of a row cut contiguously (docs/design.md §2): over
+    context-parallel ranks (parallel.cp > 1), or into sequence chunks that one process runs in turn
+    (train.recompute_chunks > 1: a CP plan whose ranks are the chunks, comm.context.Loopback)."""
+    name: str             # what crosses a boundary between pieces, in messages
+    across_ranks: bool    # takes parallel.cp > 1
+    across_chunks: bool   # takes train.recompute_chunks > 1
+    limit: str = ""       # why it cannot take a split it refuses: its refusal says so
+
+
+# The forms the ops implement. A piece crossed by a document receives what came before it.
+STATE_RELAY = ContextParallelForm(
+    "the state handed from piece to piece (parallel.cp_algorithm=relay; recompute chunks take only this) "
+    "or the all-gathered segment summaries folded (allgather), with the short convolution's halo",
+    across_ranks=True, across_chunks=True)
+HALO_EXCHANGE = ContextParallelForm(
+    "a halo of the previous window's keys and values", across_ranks=True, across_chunks=True)
+KV_ALL_GATHER = ContextParallelForm(
+    "an all-gather of the row's keys and values", across_ranks=True, across_chunks=False,
+    limit="full-attention layers see every earlier key, and gathering them needs every piece of the row "
+          "at once, where chunks run one after another")
+NOT_SPLIT = ContextParallelForm(
+    "none", across_ranks=False, across_chunks=False,
+    limit="the mixer declares none (MixerKind.context_parallel), so its ops would see only their own "
+          "piece of the row")
+
+
+@dataclass(frozen=True)
 class MixerKind:
     symbol: str                                   # its letter in model.layer_pattern
     description: str                              # names it in messages
@@ -63,13 +93,16 @@ class MixerKind:
     # (config field, head count) pairs that parallel.tp must divide.
     tp_split: Callable[[ModelConfig], list[tuple[str, int]]]
     tensor_parallel: TensorParallelLayout
+    # How it runs on a row split over context-parallel ranks or recompute chunks: one of the forms
+    # above (NOT_SPLIT refuses both), checked against parallel.cp and train.recompute_chunks.
+    context_parallel: ContextParallelForm
+    # Bytes per token the mixer keeps for its backward, and the gradients its backward holds beside
+    # them (bf16 under autocast): train/memory_model.py adds the block's residual stream, norms and
+    # MLP. Required: a mixer left out would predict a peak that does not fit as fitting.
+    activation_bytes_per_token: Callable[[ModelConfig], tuple[float, float]]
     output_projection: str = "o_proj"             # the linear writing the residual: scaled at init
     check: Callable[[ModelConfig, int], None] | None = None   # (config, tp): rules beyond tp_split
     attention: str | None = None                  # softmax attention: FULL_ATTENTION or SLIDING_WINDOW
-    # Bytes per token the mixer keeps for its backward, and the gradients its backward holds beside
-    # them (bf16 under autocast): train/memory_model.py adds the block's residual stream, norms and
-    # MLP. None: not counted (the prediction then leaves the mixer out).
-    activation_bytes_per_token: Callable[[ModelConfig], tuple[float, float]] | None = None
 
 
 # ---------------------------------------------------------------- gated deltanet
@@ -113,7 +146,9 @@ def _attention_flops(visible_keys: Callable[[ModelConfig, int], float]):
 def _attention_architecture(config: ModelConfig) -> dict[str, object]:
     return {"model.attn_num_heads": config.attn_num_heads, "model.attn_num_kv_heads": config.num_kv_heads,
             "attention head (model.attn_head_dim)": config.attn_dim, "model.rope_theta": config.rope_theta,
-            "model.attn_qkv_bias": config.attn_qkv_bias, "model.attn_output_gate": config.attn_output_gate}
+            "model.attn_qkv_bias": config.attn_qkv_bias, "model.attn_output_gate": config.attn_output_gate,
+            "model.attn_qk_norm": config.attn_qk_norm,
+            "RoPE channels of a head (model.attn_rotary_dim)": config.rotary_dim}
 
 
 def _check_kv_heads(config: ModelConfig, tp: int) -> None:
@@ -123,10 +158,12 @@ def _check_kv_heads(config: ModelConfig, tp: int) -> None:
 
 
 ATTENTION_FIELDS = ("attn_num_heads", "attn_num_kv_heads", "attn_head_dim", "rope_theta", "attn_output_gate",
-                    "attn_qkv_bias", "attn_impl")
-# q and output-gate rows by query head; KV heads split or replicated (GroupedKVHeads).
+                    "attn_qkv_bias", "attn_qk_norm", "attn_rotary_dim", "attn_impl")
+# q and output-gate rows by query head; KV heads split or replicated (GroupedKVHeads). The query and key
+# norms' one weight each is shared by all heads: each rank sees its heads only.
 ATTENTION_TENSOR_PARALLEL = TensorParallelLayout(
     column=("q_proj", "g_proj"), row=("o_proj",), heads=("num_heads",),
+    partial_grad=("q_norm.weight", "k_norm.weight"),
     grouped_kv=GroupedKVHeads(projections=("k_proj", "v_proj"), count="num_kv_heads", head_dim="head_dim"))
 
 
@@ -145,10 +182,12 @@ def _gdn_activations(config: ModelConfig) -> tuple[float, float]:
 
 
 def _attention_activations(config: ModelConfig) -> tuple[float, float]:
-    """Kept: q, k, v after rotary, the attention's output (bf16) and its log-sum-exp (fp32). In the
-    backward: dq, dk, dv."""
+    """Kept: q, k, v after rotary, the attention's output (bf16) and its log-sum-exp (fp32), with
+    query/key norms also their inputs; the output gate's input. In the backward: dq, dk, dv."""
     q, kv = config.attn_num_heads * config.attn_dim, config.num_kv_heads * config.attn_dim
-    return 2 * (q + 2 * kv) + 2 * q + 4 * config.attn_num_heads, 2 * (q + 2 * kv)
+    normed = 2 * (q + kv) if config.attn_qk_norm else 0
+    gate = 2 * q if config.attn_output_gate else 0
+    return 2 * (q + 2 * kv) + 2 * q + 4 * config.attn_num_heads + normed + gate, 2 * (q + 2 * kv)
 
 
 def _attention_heads(config: ModelConfig) -> list[tuple[str, int]]:
@@ -163,7 +202,8 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         flops_per_token=_gdn_flops, architecture=_gdn_architecture,
         tp_split=lambda config: [("model.gdn_num_heads", config.gdn_num_heads),
                                  ("model.gdn_num_v_heads", config.num_v_heads)],
-        tensor_parallel=GDN_TENSOR_PARALLEL, activation_bytes_per_token=_gdn_activations),
+        tensor_parallel=GDN_TENSOR_PARALLEL, context_parallel=STATE_RELAY,
+        activation_bytes_per_token=_gdn_activations),
     MixerKind(
         symbol="S", description="sliding-window attention", module=Attention,
         build=lambda config: Attention(config, window=config.window_size),
@@ -172,7 +212,8 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         architecture=lambda config: {**_attention_architecture(config),
                                      "model.window_size": config.window_size},
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
-        attention=SLIDING_WINDOW, activation_bytes_per_token=_attention_activations),
+        attention=SLIDING_WINDOW, context_parallel=HALO_EXCHANGE,
+        activation_bytes_per_token=_attention_activations),
     MixerKind(
         symbol="A", description="full causal attention", module=Attention,
         build=lambda config: Attention(config, window=None),
@@ -180,13 +221,18 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         flops_per_token=_attention_flops(lambda config, seq_len: seq_len / 2),  # keys seen, on average
         architecture=_attention_architecture,
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
-        attention=FULL_ATTENTION, activation_bytes_per_token=_attention_activations),
+        attention=FULL_ATTENTION, context_parallel=KV_ALL_GATHER,
+        activation_bytes_per_token=_attention_activations),
 )}
 
 
 def mixer_kinds(config: ModelConfig) -> list[MixerKind]:
     """The kinds of the layers `config` has, in registry order (each once)."""
-    present = set(config.layer_pattern)
+    return _kinds_of(config.layer_pattern)
+
+
+def _kinds_of(symbols: Iterable[str]) -> list[MixerKind]:
+    present = set(symbols)
     return [kind for symbol, kind in MIXERS.items() if symbol in present]
 
 
@@ -194,10 +240,11 @@ def _registered() -> str:
     return ", ".join(f"{kind.symbol} ({kind.description})" for kind in MIXERS.values())
 
 
-def check_layers(config: ModelConfig, tp: int = 1) -> None:
+def check_layers(config: ModelConfig, tp: int = 1, cp: int = 1, recompute_chunks: int = 1) -> None:
     """The rules a layer pattern brings, for a validated ModelConfig (config.py cannot know the mixers:
-    it is below the model layer): every symbol registered, and each present mixer's head counts split
-    over `tp` with its own rules. Call it wherever a config meets the model."""
+    it is below the model layer): every symbol registered, each present mixer's head counts split
+    over `tp` with its own rules, and its context-parallel form taking parallel.cp = `cp` and
+    train.recompute_chunks = `recompute_chunks`. Call it wherever a config meets the model."""
     unknown = sorted(set(config.layer_pattern) - set(MIXERS))
     if unknown:
         raise ConfigError(
@@ -210,6 +257,25 @@ def check_layers(config: ModelConfig, tp: int = 1) -> None:
                                   f"divides it or change the model")
         if kind.check is not None:
             kind.check(config, tp)
+    check_context_parallel(config.layer_pattern, cp, recompute_chunks)
+
+
+def check_context_parallel(symbols: Iterable[str], cp: int = 1, recompute_chunks: int = 1) -> None:
+    """Refuse a split of the row that a layer among `symbols` cannot run on, as its kind's
+    `context_parallel` declares: over `cp` context-parallel ranks, or into `recompute_chunks` chunks
+    run in turn (registered symbols only; check_layers names unknown ones)."""
+    for kind in _kinds_of(symbols):
+        form = kind.context_parallel
+        layers = f"{kind.description} layers ({kind.symbol} in model.layer_pattern)"
+        why = f"(context-parallel form: {form.name}): {form.limit}"
+        if cp > 1 and not form.across_ranks:
+            raise ConfigError(f"parallel.cp={cp}: {layers} cannot run on a row split over context-parallel "
+                              f"ranks {why}; use parallel.cp=1, or a model.layer_pattern without "
+                              f"{kind.symbol}")
+        if recompute_chunks > 1 and not form.across_chunks:
+            raise ConfigError(f"train.recompute_chunks={recompute_chunks}: {layers} cannot run in sequence "
+                              f"chunks one process runs in turn {why}; use train.recompute_chunks=1, or a "
+                              f"model.layer_pattern without {kind.symbol}")
 
 
 def make_mixer(symbol: str, config: ModelConfig) -> nn.Module:

@@ -38,7 +38,7 @@ from ..comm.context import CPContext, Loopback
 from ..comm.replay import ReplayLog
 from ..config import CHECKPOINTING_MODES
 from ..model import SequenceInfo, blocks_of
-from ..model.mixers import FULL_ATTENTION, MIXERS
+from ..model.mixers import check_context_parallel
 from ..ops.rope import positions_from_cu_seqlens
 from .offload import BlockInputOffload, offload_context
 
@@ -61,11 +61,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, offload: BlockIn
     if getattr(model, "layers", None) is None:
         raise ValueError("activation checkpointing wraps model.layers; this module has none")
     blocks = blocks_of(model)
-    full_attention = sorted({b.symbol for b in blocks if MIXERS[b.symbol].attention == FULL_ATTENTION})
-    if chunks > 1 and full_attention:
-        raise ValueError(f"train.recompute_chunks={chunks}: full-attention layers "
-                         f"({', '.join(full_attention)} in model.layer_pattern) see every earlier key, which "
-                         f"chunks run in turn cannot hand over; use train.recompute_chunks=1 for this model")
+    # the layers this process holds, as their kinds declare (MixerKind.context_parallel); a ConfigError
+    # is a ValueError
+    check_context_parallel([block.symbol for block in blocks], recompute_chunks=chunks)
     count = 0
     offloaded = len(blocks) if offload_blocks <= 0 else offload_blocks
     for index, block in enumerate(blocks):

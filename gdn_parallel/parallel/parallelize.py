@@ -183,7 +183,7 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | No
     (model.residual_stream_dtype), is what pipeline stages send each other."""
     config = config or dims.config
     config.validate(model.config)
-    check_layers(model.config, config.tp)
+    check_layers(model.config, config.tp, config.cp, recompute_chunks)
     device = device or next(model.parameters()).device
     offload = BlockInputOffload(device) if activation_offload == "cpu" else None
     apply_activation_checkpointing(model, activation_checkpointing, offload,  # first: wraps blocks in place

@@ -182,7 +182,8 @@ def _shard_mixer(m: nn.Module, layout: TensorParallelLayout, shard: _Sharder) ->
         shard.row(getattr(owner, name))
     for path in layout.partial_grad:
         owner, name = _owner(m, path)
-        _mark_partial(getattr(owner, name))
+        if owner is not None:         # an optional part (attention's q_norm) the config left out
+            _mark_partial(getattr(owner, name))
     for name in layout.heads:
         setattr(m, name, getattr(m, name) // shard.size)
 

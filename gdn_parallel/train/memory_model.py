@@ -30,7 +30,7 @@ import torch
 
 from ..config import Config, ModelConfig
 from ..model import HybridLM, residual_stream_dtype
-from ..model.mixers import FULL_ATTENTION, MIXERS
+from ..model.mixers import MIXERS, mixer_kinds
 from .optim import autocast_dtype
 
 GIB = 2 ** 30
@@ -71,8 +71,7 @@ def activation_bytes_per_token(symbol: str, model: ModelConfig,
     counted at hidden 2048, a sliding-window block's 84.8 against 83.6."""
     H, inter = model.hidden_size, model.mlp_dim
     common = stream_bytes * 2 * H + BF16 * 2 * H + BF16 * 3 * inter
-    mixer = MIXERS[symbol].activation_bytes_per_token
-    kept, gradients = mixer(model) if mixer is not None else (0.0, 0.0)
+    kept, gradients = MIXERS[symbol].activation_bytes_per_token(model)
     return common + kept, gradients
 
 
@@ -173,7 +172,9 @@ def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
         chunked = tried.with_overrides([f"train.recompute_chunks={chunks}"])
         if predict_peak(chunked, rows=1).peak_gib <= capacity_gib:
             return overrides + fewer_rows + [f"train.recompute_chunks={chunks}"]
-    for cp in (2, 4, 8, 16, 32, 64):
+    # only where every layer runs over context-parallel ranks (MixerKind.context_parallel)
+    every_layer_splits = all(kind.context_parallel.across_ranks for kind in mixer_kinds(tried.model))
+    for cp in (2, 4, 8, 16, 32, 64) if every_layer_splits else ():
         wider = tried.with_overrides([f"parallel.cp={cp}"])
         if cp > tried.parallel.cp and predict_peak(wider, rows=1).peak_gib <= capacity_gib:
             return overrides + fewer_rows + [
@@ -182,12 +183,13 @@ def settings_that_fit(config: Config, capacity_gib: float) -> list[str]:
 
 
 def _chunk_counts(config: Config) -> list[int]:
-    """The train.recompute_chunks worth trying: where the model and layout take chunks at all (no
-    full-attention layer, the relay, no sequence parallelism), counts dividing a rank's tokens."""
-    model, par = config.model, config.parallel
-    full_attention = any(MIXERS[s].attention == FULL_ATTENTION for s in set(model.layer_types))
+    """The train.recompute_chunks worth trying: where the model and layout take chunks at all (every
+    layer runs in chunks, MixerKind.context_parallel; the relay; no sequence parallelism), counts
+    dividing a rank's tokens."""
+    par = config.parallel
+    every_layer_chunks = all(kind.context_parallel.across_chunks for kind in mixer_kinds(config.model))
     if (config.train.activation_checkpointing != "full" or par.cp_algorithm != "relay"
-            or par.sequence_parallel or full_attention):
+            or par.sequence_parallel or not every_layer_chunks):
         return []
     tokens = config.train.seq_len // par.cp
     return [c for c in (2, 4, 8, 16) if c > config.train.recompute_chunks and tokens % c == 0]

@@ -76,7 +76,8 @@ def _make_out_dir(out_dir: str) -> None:
 def _train(config: Config, device: torch.device, print_fn, resume) -> dict:
     world = dist.get_world_size()
     config.validate(world_size=world)
-    check_layers(config.model, config.parallel.tp)  # the layer pattern's rules (config cannot know mixers)
+    # the layer pattern's rules (config cannot know mixers), cp and chunked recompute included
+    check_layers(config.model, config.parallel.tp, config.parallel.cp, config.train.recompute_chunks)
     run = set_up_run(config, device, print_fn, resume)
     if run.resumed_from is not None and not _state_is_finite(run):
         raise CheckpointError(f"{run.resumed_from} holds parameters or optimizer moments that are not "

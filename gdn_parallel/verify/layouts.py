@@ -237,7 +237,7 @@ def unsupported_reason(layout: Layout, model: ModelConfig, tokens_per_row: int) 
     config = layout.parallel_config()
     try:
         config.validate(model)
-        check_layers(model, config.tp)
+        check_layers(model, config.tp, config.cp)
     except ConfigError as err:
         return str(err)
     split = layout.cp * (layout.tp if layout.sequence_parallel else 1)

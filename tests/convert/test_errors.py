@@ -45,6 +45,9 @@ def torch_file(path, **changes):
     ({"attn_output_gate": True}, "model.attn_output_gate"),
     ({"conv_bias": True}, "model.conv_bias"),
     ({"attn_head_dim": 16}, "model.attn_head_dim"),
+    ({"attn_qk_norm": True}, "model.attn_qk_norm"),
+    ({"attn_rotary_dim": 4}, "model.attn_rotary_dim"),
+    ({"attn_rotary_dim": 0}, "model.attn_rotary_dim"),
 ])
 def test_what_fla_cannot_express_is_refused_by_name(changes, needle):
     model = ModelConfig(**{**TINY, **changes})

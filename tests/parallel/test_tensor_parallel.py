@@ -92,6 +92,11 @@ def tp_cases(rank, world):
     # One KV head over two ranks: replicated KV projections (partial gradients); tied embeddings.
     config = model_config(attn_num_kv_heads=1, tie_word_embeddings=True)
     train_equal(group, True, config, tag="kv1")
+    # Qwen3-Next's attention: query/key norms (one weight each over all heads: partial gradients, also
+    # with the KV head replicated) and RoPE on half of each head.
+    for kv_heads in (2, 1):
+        config = model_config(attn_num_kv_heads=kv_heads, attn_qk_norm=True, attn_rotary_dim=4)
+        train_equal(group, False, config, tag=f"qk_norm kv{kv_heads}")
     return True
 
 
