@@ -30,6 +30,7 @@ GDN_IMPLS = ("auto", "naive", "chunk", "triton")     # ops.gated_delta_rule
 ATTENTION_IMPLS = ("auto", "sdpa", "flex")           # ops.attention
 CONV_IMPLS = ("auto", "torch", "triton")             # ops.short_conv
 CP_ALGORITHMS = ("relay", "allgather")               # the GDN op's context-parallel algorithms
+CP_ATTENTION_SPLITS = ("contiguous", "zigzag")      # whose queries full attention computes under CP
 CHECKPOINTING_MODES = ("none", "selective", "full")  # parallel.checkpointing
 OFFLOAD_MODES = ("none", "cpu")  # parallel.offload
 MAX_HEAD_DIM = 256                                   # GDN head dims the ops (and kernels) take
@@ -547,6 +548,12 @@ class ParallelConfig:
         "relay", "how the GDN state crosses context-parallel ranks (docs/design.md §2): relay (rank to rank, "
                  "exact) or allgather (one all-gather of segment summaries per layer, for a large cp)",
         choices=CP_ALGORITHMS)
+    cp_attention_split: str = setting(
+        "contiguous", "which queries each context-parallel rank computes in full causal attention "
+                      "(docs/design.md §2): contiguous (its own shard; the last rank does the most work) or "
+                      "zigzag (the row cut in 2 x cp blocks, rank r computes blocks r and 2 x cp - 1 - r: "
+                      "equal work; the micro-batch row must divide by 2 x parallel.cp)",
+        choices=CP_ATTENTION_SPLITS)
 
     @property
     def world_size(self) -> int:
@@ -611,6 +618,11 @@ class ParallelConfig:
                 raise ConfigError(f"a micro-batch row of {row} tokens does not split into parallel.cp x "
                                   f"train.recompute_chunks = {self.cp * train.recompute_chunks} equal "
                                   f"chunks; choose a train.recompute_chunks that divides {row // self.cp}")
+        if self.cp_attention_split == "zigzag" and self.cp > 1 and row % (2 * self.cp):
+            raise ConfigError(f"parallel.cp_attention_split=zigzag cuts the row into 2 x parallel.cp = "
+                              f"{2 * self.cp} equal query blocks, and a micro-batch row of train.seq_len * "
+                              f"microbatch_size = {row} tokens does not divide by {2 * self.cp}: change "
+                              f"train.seq_len or use parallel.cp_attention_split=contiguous")
         split = self.cp * (self.tp if self.sequence_parallel else 1)
         # Divisible and positive, so every rank's shard holds row // split >= 1 tokens.
         if row % split:

@@ -74,12 +74,14 @@ class CPContext:
     outbox: Outbox = field(default_factory=Outbox, repr=False)
     chunks: int = 1
     loopback: Loopback | None = field(default=None, repr=False)
+    # which queries full attention computes here: contiguous (the shard's) | zigzag (comm/zigzag.py)
+    attention_split: str = "contiguous"
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, group: dist.ProcessGroup | None, cu_seqlens, local_len: int,
               algorithm: str = "relay", device=None, rank: int | None = None,
-              size: int | None = None) -> CPContext:
+              size: int | None = None, attention_split: str = "contiguous") -> CPContext:
         """`cu_seqlens`: global boundaries (tensor or list; None = one document over all ranks).
 
         `rank`/`size` default to the caller's place in `group` (given explicitly, no group is
@@ -103,7 +105,8 @@ class CPContext:
                              f"{local_len} tokens = {total}: pass the global boundaries of the whole row, "
                              f"whose length must be divisible by the CP degree")
         return cls(group, rank, size, cu, local_len, algorithm,
-                   torch.device(device) if device is not None else torch.device("cpu"))
+                   torch.device(device) if device is not None else torch.device("cpu"),
+                   attention_split=attention_split)
 
     # ------------------------------------------------------------------ geometry
     @property

@@ -31,17 +31,19 @@ class CPShard:
 
 
 def shard_batch(batch, cp_rank: int, cp_size: int, group: dist.ProcessGroup | None = None,
-                algorithm: str = "relay") -> CPShard:
+                algorithm: str = "relay", attention_split: str = "contiguous") -> CPShard:
     """Split a packed batch (input_ids/labels/position_ids [1, total], cu_seqlens) contiguously and
     return rank `cp_rank`'s shard with its CP plan. The labels were made on the whole row, so the
-    last token of a shard keeps the first token of the next shard as its label."""
+    last token of a shard keeps the first token of the next shard as its label. `algorithm` and
+    `attention_split`: parallel.cp_algorithm and parallel.cp_attention_split, kept in the plan."""
     if batch.input_ids.dim() != 2 or batch.input_ids.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row [1, total], got input_ids of shape "
                          f"{tuple(batch.input_ids.shape)}")
     total = batch.input_ids.shape[1]
     start, end = shard_bounds(total, cp_size, cp_rank, "train.seq_len * train.batch_size")
     context = CPContext.build(group, batch.cu_seqlens, end - start, algorithm,
-                              device=batch.input_ids.device, rank=cp_rank, size=cp_size)
+                              device=batch.input_ids.device, rank=cp_rank, size=cp_size,
+                              attention_split=attention_split)
     positions = batch.position_ids
     if positions is None:
         positions = positions_from_cu_seqlens(batch.cu_seqlens, total, batch.input_ids.device).unsqueeze(0)

@@ -126,7 +126,7 @@ class ParallelModel:
         if self.config.cp == 1:
             return row
         return shard_batch(row, self.dims.rank("cp"), self.config.cp, self.dims.group("cp"),
-                           self.config.cp_algorithm)
+                           self.config.cp_algorithm, self.config.cp_attention_split)
 
     def _accumulate(self, microbatches, normalizer, scaler=None) -> torch.Tensor | None:
         total = None

@@ -197,7 +197,8 @@ def _announce(run: RunState, dataset) -> None:
         f"hidden {config.model.hidden_size}")
     if world > 1:
         say(f"mesh  | pp {pc.pp} x dp {pc.dp} x cp {pc.cp} x tp {pc.tp} ({pc.data_parallel}, "
-            f"cp {pc.cp_algorithm}, sp {pc.sequence_parallel}, {train.microbatches} micro-batches) on "
+            f"cp {pc.cp_algorithm}, {pc.cp_attention_split} attention, sp {pc.sequence_parallel}, "
+            f"{train.microbatches} micro-batches) on "
             f"{world} {run.device.type} processes")
         split = uneven_split_line(config.model, pc, train.seq_len)
         if split is not None:

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
     parser.add_argument("--layouts", nargs="+", action="extend", metavar="LAYOUT",
                         help="layouts to check instead of the default set, each like tp2,cp2 or "
-                             "pp=2,dp=2,ddp (options: sp, allgather, ddp, interleaved, vs=N, "
+                             "pp=2,dp=2,ddp (options: sp, allgather, zigzag, ddp, interleaved, vs=N, "
                              "ac=full|selective)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps compared (default 1; 2 with --checkpoint)")

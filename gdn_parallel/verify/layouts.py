@@ -2,9 +2,9 @@
 
 A layout is written as comma-separated tokens (the same text the table prints and `--layouts`
 reads): degrees `pp2`, `dp=2` (absent degrees are 1), and options `sp`, `allgather` / `relay`,
-`ddp` / `fsdp`, `interleaved` (virtual stages 2; `vs=N` for more), `1f1b`, `ac=full` /
-`ac=selective` (activation checkpointing). `tp2_cp2` (the old tools' names) reads the same as
-`tp2,cp2`.
+`zigzag` / `contiguous` (parallel.cp_attention_split), `ddp` / `fsdp`, `interleaved` (virtual
+stages 2; `vs=N` for more), `1f1b`, `ac=full` / `ac=selective` (activation checkpointing).
+`tp2_cp2` (the old tools' names) reads the same as `tp2,cp2`.
 
 The default set for N processes (`default_layouts`):
   * every ordered factorisation pp x dp x cp x tp = N with the default options (1F1B, FSDP2, relay,
@@ -48,6 +48,7 @@ class Layout:
     tp: int = 1
     sequence_parallel: bool = False
     cp_algorithm: str = "relay"
+    cp_attention_split: str = "contiguous"
     data_parallel: str = "fsdp"
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -68,6 +69,8 @@ class Layout:
             parts.append("sp")
         if self.cp_algorithm != "relay":
             parts.append(self.cp_algorithm)
+        if self.cp_attention_split != "contiguous":
+            parts.append(self.cp_attention_split)
         if self.data_parallel != "fsdp":
             parts.append(self.data_parallel)
         if self.pp_schedule != "1f1b":
@@ -97,15 +100,18 @@ class Layout:
 _OPTION_WORDS = {
     "sp": ("sequence_parallel", True), "sequence_parallel": ("sequence_parallel", True),
     "relay": ("cp_algorithm", "relay"), "allgather": ("cp_algorithm", "allgather"),
+    "contiguous": ("cp_attention_split", "contiguous"), "zigzag": ("cp_attention_split", "zigzag"),
     "fsdp": ("data_parallel", "fsdp"), "ddp": ("data_parallel", "ddp"),
     "1f1b": ("pp_schedule", "1f1b"), "interleaved": ("pp_schedule", "interleaved"),
     "offload": ("activation_offload", "cpu"),
 }
-_KEYED = {"cp_algorithm": "cp_algorithm", "data_parallel": "data_parallel", "pp_schedule": "pp_schedule",
+_KEYED = {"cp_algorithm": "cp_algorithm", "cp_attention_split": "cp_attention_split",
+          "data_parallel": "data_parallel", "pp_schedule": "pp_schedule",
           "vs": "virtual_stages", "virtual_stages": "virtual_stages",
           "ac": "activation_checkpointing", "activation_checkpointing": "activation_checkpointing"}
 _DEGREE = re.compile(r"(pp|dp|cp|tp)=?(\d+)")
-ACCEPTED = ("degrees pp2 / pp=2 (also dp, cp, tp), sp, relay, allgather, fsdp, ddp, 1f1b, interleaved, "
+ACCEPTED = ("degrees pp2 / pp=2 (also dp, cp, tp), sp, relay, allgather, contiguous, zigzag, fsdp, ddp, "
+            "1f1b, interleaved, "
             "vs=N, ac=none|selective|full, offload (with ac=full)")
 
 
@@ -245,6 +251,9 @@ def unsupported_reason(layout: Layout, model: ModelConfig, tokens_per_row: int) 
         split_by = "cp * tp" if layout.sequence_parallel else "cp"
         return (f"a row of {tokens_per_row} tokens does not split into {split_by} = {split} equal shards; "
                 f"change --seq-len or --rows")
+    if layout.cp_attention_split == "zigzag" and layout.cp > 1 and tokens_per_row % (2 * layout.cp):
+        return (f"zigzag attention cuts a row into 2 x cp = {2 * layout.cp} equal query blocks, and a row of "
+                f"{tokens_per_row} tokens does not divide by {2 * layout.cp}; change --seq-len or --rows")
     return None
 
 

@@ -175,6 +175,10 @@ BAD_INPUTS = [
     ("parallel.virtual_stages=2", "parallel.virtual_stages"),  # 1f1b has one stage per rank
     ("parallel.data_parallel=zero", "parallel.data_parallel"),
     ("parallel.cp_algorithm=ring", "parallel.cp_algorithm"),
+    ("parallel.cp_attention_split=ring", "parallel.cp_attention_split"),
+    # shards of 129 tokens do not halve into zigzag's query blocks
+    (["parallel.cp=8", "train.seq_len=258", "parallel.cp_attention_split=zigzag"],
+     "parallel.cp_attention_split"),
     ("train.max_skipped_steps=0", "train.max_skipped_steps"),
     ("train.profile_steps=10-12", "train.profile_steps"),
     ("train.profile_steps=5,2", "train.profile_steps"),
@@ -216,6 +220,17 @@ def test_bad_input_fails_at_load_naming_the_field(overrides, field):
         config = Config.from_yaml(TINY, [overrides] if isinstance(overrides, str) else overrides)
         check_layers(config.model, config.parallel.tp)
     assert field in str(info.value)
+
+
+def test_zigzag_needs_a_row_of_two_blocks_a_rank():
+    """The row must divide by 2 x cp under zigzag (and only under zigzag); the error names the field,
+    the length and the fix."""
+    odd_shards = ["parallel.cp=8", "train.seq_len=258"]             # 1032 tokens, 129 a rank
+    assert Config.from_yaml(TINY, odd_shards).parallel.cp_attention_split == "contiguous"
+    with pytest.raises(ConfigError, match=r"parallel.cp_attention_split=zigzag .* 1032 tokens does not "
+                                          r"divide by 16: change train.seq_len"):
+        Config.from_yaml(TINY, [*odd_shards, "parallel.cp_attention_split=zigzag"])
+    assert Config.from_yaml(TINY, ["parallel.cp=4", "parallel.cp_attention_split=zigzag"]).parallel.cp == 4
 
 
 def loaded_for_the_model(overrides) -> Config:

@@ -1,5 +1,6 @@
 """Short conv and attention under context parallelism equal one process (halos incl. multi-hop);
-the CP conv's impl reaches the local conv (Triton in the interpreter = the torch path)."""
+the CP conv's impl reaches the local conv (Triton in the interpreter = the torch path); full attention
+under the zigzag split equals one process too and gives every rank the same work."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -159,7 +160,110 @@ def test_sliding_window_keys_have_one_length(cu, rank):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def zigzag_case(rank, world, total, cu, seed, dtype, tol, H=4, HKV=2):
+    """Full attention of the shard under both splits against one process: outputs and q/k/v
+    gradients, each split against the oracle (so zigzag equals contiguous up to rounding)."""
+    gen = generator(seed)
+    q = torch.randn(1, total, H, 8, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, total, HKV, 8, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, total, HKV, 8, generator=gen, dtype=dtype, requires_grad=True)
+    do = torch.randn(1, total, H, 8, generator=gen, dtype=dtype)
+    cu_t = torch.tensor(cu)
+    o = attention(q, k, v, cu_seqlens=cu_t, impl="sdpa")
+    grads = torch.autograd.grad((o * do).sum(), (q, k, v))
+    L = total // world
+    s, e = rank * L, (rank + 1) * L
+    expected = {"o": o.detach()[:, s:e], **{n: g[:, s:e] for n, g in zip(("dq", "dk", "dv"), grads)}}
+    for split in ("zigzag", "contiguous"):
+        local = [t.detach()[:, s:e].clone().requires_grad_() for t in (q, k, v)]
+        cp = CPContext.build(dist.group.WORLD, cu_t, L, attention_split=split)
+        o_l = attention(*local, impl="sdpa", cp=cp)
+        (o_l * do[:, s:e]).sum().backward()
+        cp.finish()
+        got = {"o": o_l.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), local)}}
+        assert_close_set(got, expected, tol, f"{split} attention cu={cu} {dtype} rank={rank}")
+    return True
+
+
+def zigzag_cases(rank, world):
+    total = 8 * world   # shards of 8 tokens, query blocks of 4
+    layouts = [[0, total],
+               # boundaries inside blocks (3, 6, 9), at a block edge inside a shard (4), documents
+               # over a block edge (6..9 crosses the first rank boundary) and over several ranks
+               [0, 3, 4, 6, 9, total - 5, total],
+               [0, 1, 2, total - 1, total]]          # one-token documents at both ends
+    for i, cu in enumerate(layouts):
+        zigzag_case(rank, world, total, cu, seed=100 + i, dtype=torch.float64, tol=1e-12)
+    # fp32, longer blocks (shards of 24 tokens) with documents over every rank boundary
+    total = 24 * world
+    zigzag_case(rank, world, total, [0, 5, 30, total - 7, total], seed=120, dtype=torch.float32, tol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zigzag_attention_matches_single_process(world):
+    assert all(LAYER_CASES(("zigzag", world)))
+
+
+def pair_count_case(rank, world):
+    """The (query, key) pairs each rank's full attention is given, one document over the row, under
+    both splits: what masked_attention receives on this rank, counted by the mask rule."""
+    import importlib
+    cp_module = importlib.import_module("gdn_parallel.ops.attention.cp")  # ops.attention is also a function
+    real, seen = cp_module.masked_attention, []
+
+    def counting(q, k, v, *, q_index, k_index, q_doc, k_doc, **kwargs):
+        allowed = (q_doc[:, None] == k_doc[None]) & (q_index[:, None] >= k_index[None])
+        seen.append((int(allowed.sum()), q_index.tolist()))
+        return real(q, k, v, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc, **kwargs)
+
+    total, counts = 16 * world, {}
+    cp_module.masked_attention = counting
+    try:
+        for split in ("contiguous", "zigzag"):
+            L = total // world
+            shard = [torch.randn(1, L, 2, 4, generator=generator(rank)) for _ in range(3)]
+            cp = CPContext.build(dist.group.WORLD, [0, total], L, attention_split=split)
+            attention(*shard, impl="sdpa", cp=cp)
+            counts[split] = seen.pop()
+    finally:
+        cp_module.masked_attention = real
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zigzag_gives_every_rank_the_same_attention_work(world):
+    """Contiguous: rank r computes (2r + 1) / n² of the pairs; zigzag: 1 / n each, the queries of
+    all ranks together being every token once."""
+    by_rank = LAYER_CASES(("pair counts", world))
+    total = 16 * world
+    everything = total * (total + 1) // 2
+    contiguous = [counts["contiguous"][0] for counts in by_rank]
+    zigzag = [counts["zigzag"][0] for counts in by_rank]
+    assert contiguous == sorted(set(contiguous)) and sum(contiguous) == everything, contiguous
+    assert zigzag == [everything // world] * world, zigzag
+    queries = sorted(i for counts in by_rank for i in counts["zigzag"][1])
+    assert queries == list(range(total))
+    block = total // (2 * world)
+    assert by_rank[0]["zigzag"][1] == list(range(block)) + list(range(total - block, total))
+
+
+def test_zigzag_refuses_an_odd_shard_and_the_plan_an_unknown_split():
+    """Before any message (no process group here): an odd shard does not halve into query blocks."""
+    q = torch.randn(1, 3, 2, 4)
+    cp = CPContext.build(None, [0, 6], 3, rank=0, size=2, attention_split="zigzag")
+    with pytest.raises(ValueError, match="parallel.cp_attention_split=zigzag .* 3 tokens"):
+        attention(q, q, q, impl="sdpa", cp=cp)
+    q = torch.randn(1, 4, 2, 4)
+    cp = CPContext.build(None, [0, 8], 4, rank=0, size=2, attention_split="ring")
+    with pytest.raises(ValueError, match="attention_split 'ring' is not one of"):
+        attention(q, q, q, impl="sdpa", cp=cp)
+
+
 # Shared launches (tests/parallel/launcher.py, SharedLaunch). conv_impl wraps the kernel getter in its
 # processes: a pass-through that counts calls, so the cases after it run the same kernel.
 LAYER_CASES = SharedLaunch({("layers", 2): (2, layer_cases), ("layers", 4): (4, layer_cases),
-                            "conv_impl": (2, conv_impl_case)})
+                            "conv_impl": (2, conv_impl_case),
+                            ("zigzag", 2): (2, zigzag_cases), ("zigzag", 4): (4, zigzag_cases),
+                            ("pair counts", 2): (2, pair_count_case),
+                            ("pair counts", 4): (4, pair_count_case)})

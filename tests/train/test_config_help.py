@@ -23,6 +23,7 @@ OUT_OF_RANGE = {
     "model.gdn_num_v_heads": 0, "model.gdn_head_dim": 0, "model.gdn_expand_v": -1.0,
     "model.gdn_chunk_size": 48,
     "model.conv_size": 9, "model.attn_num_heads": 0, "model.attn_num_kv_heads": 0, "model.attn_head_dim": 0,
+    "model.attn_rotary_dim": -2,
     "model.window_size": 0, "model.rope_theta": 0.0, "model.hidden_ratio": float("nan"),
     "model.intermediate_size": 0, "model.norm_eps": 0.0, "model.initializer_range": -0.02,
     "data.source": "  ", "data.val_fraction": 1.0, "data.seed": 2 ** 64, "data.text_suffixes": "txt",

@@ -120,6 +120,18 @@ def test_a_wrong_layout_fails_the_run_and_is_named(tmp_path):
     assert cp4["worst"]["params"]
 
 
+def test_zigzag_full_attention_matches_one_device(tmp_path):
+    """A G/A hybrid (full causal attention) under cp2 with the zigzag split: query blocks moved to the
+    ranks that compute them and back, also with recomputed blocks replaying what they received."""
+    out = torchrun_verify(["--layouts", "cp2,zigzag", "cp2,zigzag,ac=full", "--set", "model.layer_pattern=GA",
+                           "--seq-len", "64", "--json", str(tmp_path / "v.json")], nproc=2)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert re.search(r"^cp2,zigzag .* pass$", out.stdout, re.M), out.stdout
+    assert re.search(r"^cp2,zigzag,ac=full .* pass$", out.stdout, re.M), out.stdout
+    results = json.loads((tmp_path / "v.json").read_text())
+    assert [(l["cp_attention_split"], l["status"]) for l in results["layouts"]] == [("zigzag", "pass")] * 2
+
+
 def test_bad_arguments_exit_2_and_say_what_to_write(capsys):
     assert main(["--layouts", "tp2"]) == 2
     assert "uses pp*dp*cp*tp = 2 processes but the job has 1" in capsys.readouterr().err

@@ -89,6 +89,9 @@ def test_a_variant_moves_to_a_layout_the_model_takes():
     ("tp2,sp,cp_algorithm=allgather,data_parallel=ddp", Layout(tp=2, sequence_parallel=True,
                                                               cp_algorithm="allgather", data_parallel="ddp")),
     ("pp2_1f1b", Layout(pp=2)),
+    ("cp4,zigzag", Layout(cp=4, cp_attention_split="zigzag")),
+    ("cp2,cp_attention_split=zigzag,allgather", Layout(cp=2, cp_attention_split="zigzag",
+                                                       cp_algorithm="allgather")),
     ("pp2,dp2,ac=full,offload", Layout(pp=2, dp=2, activation_checkpointing="full",
                                        activation_offload="cpu")),
 ])
@@ -130,6 +133,10 @@ def test_given_layouts_must_fit_the_model():
         layouts_to_run(["tp4"], 4, TINY, ROW)
     assert unsupported_reason(Layout(cp=2, tp=4, sequence_parallel=True), WIDE, 12) is not None
     assert [l.name for l, _ in layouts_to_run(["cp2,tp2,sp"], 4, TINY, ROW)] == ["cp2,tp2,sp"]
+    # 12 tokens make 4 shards of 3, which zigzag cannot halve into query blocks
+    assert unsupported_reason(Layout(cp=4), TINY, 12) is None
+    assert "2 x cp = 8 equal query blocks" in unsupported_reason(Layout(cp=4, cp_attention_split="zigzag"),
+                                                                 TINY, 12)
 
 
 def test_old_tool_names_keep_their_meaning():
@@ -137,5 +144,6 @@ def test_old_tool_names_keep_their_meaning():
     assert LAYOUTS["pp2_interleaved"]["virtual_stages"] == 2
     assert LAYOUTS["cp2_allgather"]["cp_algorithm"] == "allgather"
     assert LAYOUTS["tp2_sp"]["sequence_parallel"] is True
-    assert all(set(LAYOUTS[n]) == {*DIMS, "sequence_parallel", "cp_algorithm", "data_parallel", "pp_schedule",
+    assert all(set(LAYOUTS[n]) == {*DIMS, "sequence_parallel", "cp_algorithm", "cp_attention_split",
+                                   "data_parallel", "pp_schedule",
                                    "virtual_stages"} for n in OLD_NAMES)

@@ -23,8 +23,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     With `cp` (the row's context-parallel plan, which holds the global document boundaries: give no
     `cu_seqlens`) the tensors are this rank's shard of one packed row: a sliding window takes a halo
-    of window-1 keys and values from the previous rank(s); full attention all-gathers K and V
-    (docs/design.md §2).
+    of window-1 keys and values from the previous rank(s); full attention all-gathers K and V, and
+    computes either the shard's queries or, with the plan's attention_split "zigzag", two balanced
+    query blocks of the row whose outputs return to their shards (docs/design.md §2).
 
     `memo`: a dict kept for one row (SequenceInfo.memo), or for one rank's shard of it: the row's
     document ids and block masks are built by the first call and reused by later ones on it.

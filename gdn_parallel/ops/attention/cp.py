@@ -4,8 +4,14 @@ Sliding window: the previous window-1 keys and values (after RoPE) of the same d
 a halo from as many previous ranks as needed; their gradients go back. Flows forward only, so it
 keeps the relay's wavefront. The keys always have the same length: the halo sits in a fixed number
 of slots before the shard's own keys, and slots it does not fill hold keys of no document.
-Full causal attention all-gathers K and V (lockstep, and the last rank does the most work under a
-contiguous split; a balanced layout is a later step).
+Full causal attention all-gathers K and V (lockstep). Which queries a rank computes is the plan's
+`attention_split` (parallel.cp_attention_split): "contiguous", its own shard (the last rank does
+the most work: (2r + 1) / n² of the row at rank r of n), or "zigzag" (comm/zigzag.py), the row cut
+into 2n query blocks and rank r computing blocks r and 2n - 1 - r, equal work on every rank: the
+query blocks go to the ranks that compute them and the outputs come back (one all-to-all each,
+their gradients the other way in the backward), the mask keeping their global indices and
+documents. The shards themselves stay contiguous. Blocks of a multiple of 128 tokens keep
+FlexAttention's query tiles inside one block (a tile over both is only called partial more often).
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from gdn_kernels.host_index import on_device
 from ...comm.context import CPContext
 from ...comm.halo import exchange_halo
 from ...comm.p2p import all_gather, tie
+from ...comm.zigzag import to_owners, to_workers, worked_positions
+from ...config import CP_ATTENTION_SPLITS
 from .block_mask import BLOCK
 from .masked import masked_attention
 
@@ -24,16 +32,17 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
     """`memo`: the row's (SequenceInfo.memo), where the block mask of the shard's geometry is kept."""
     if q.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
+    if cp.attention_split not in CP_ATTENTION_SPLITS:
+        raise ValueError(f"the CP plan's attention_split {cp.attention_split!r} is not one of "
+                         f"{CP_ATTENTION_SPLITS} (parallel.cp_attention_split)")
+    if window is None and cp.attention_split == "zigzag":
+        return _zigzag_attention(q, k, v, scale, impl, cp, memo)
     device = q.device
     q_index = torch.arange(cp.start, cp.end, device=device)
     q_doc = cp.local_doc_ids().to(device)
     token = None
     if window is None:
-        k_all = all_gather(cp, torch.cat([k[0], v[0]], dim=-1))           # [P, L, HKV, Dk + Dv]
-        kv = k_all.reshape(1, cp.total, *k_all.shape[2:])
-        k_index = torch.arange(cp.total, device=device)
-        cu = on_device(cp.global_cu_seqlens, device)
-        k_doc = torch.bucketize(k_index, cu, right=True) - 1
+        kv, k_index, k_doc = _whole_row_keys(cp, k, v)
     else:
         kv_local = torch.cat([k, v], dim=-1)
         halo, token = exchange_halo(cp, kv_local, window - 1, q)
@@ -42,6 +51,28 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
     o = masked_attention(q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc,
                          window=window, scale=scale, impl=impl, memo=memo)
     return tie(o, token)
+
+
+def _whole_row_keys(cp: CPContext, k, v):
+    """K and V of the whole row (all-gathered, [1, total, HKV, Dk + Dv]) with their indices and documents."""
+    k_all = all_gather(cp, torch.cat([k[0], v[0]], dim=-1))           # [P, L, HKV, Dk + Dv]
+    kv = k_all.reshape(1, cp.total, *k_all.shape[2:])
+    k_index = torch.arange(cp.total, device=k.device)
+    k_doc = torch.bucketize(k_index, on_device(cp.global_cu_seqlens, k.device), right=True) - 1
+    return kv, k_index, k_doc
+
+
+def _zigzag_attention(q, k, v, scale, impl: str, cp: CPContext, memo: dict | None) -> torch.Tensor:
+    """Full attention of the query blocks this rank computes under the zigzag split (their global
+    indices and documents in the mask), the outputs returned to the shards that own them."""
+    worked_index = worked_positions(cp)      # first: refuses an odd shard before any message
+    kv, k_index, k_doc = _whole_row_keys(cp, k, v)
+    worked_q = to_workers(cp, q[0]).unsqueeze(0)
+    q_index = on_device(worked_index, q.device)
+    k_ext, v_ext = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    o = masked_attention(worked_q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=k_doc[q_index],
+                         k_doc=k_doc, window=None, scale=scale, impl=impl, memo=memo)
+    return to_owners(cp, o[0]).unsqueeze(0)
 
 
 def _fixed_halo_keys(cp: CPContext, kv_local: torch.Tensor, halo: torch.Tensor | None, width: int,
