@@ -43,7 +43,7 @@ class Attention(nn.Module):
         positions = seq.position_ids
         if positions is None:
             positions = torch.arange(T, device=x.device).expand(B, T)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:   # both or neither (attn_qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, positions), self._rotate(k, positions)
         o = attention(q, k, v, causal=True, window=self.window, cu_seqlens=seq.cu_seqlens,
