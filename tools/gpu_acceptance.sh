@@ -7,6 +7,7 @@
 #   bash tools/gpu_acceptance.sh ab_stream (the same, model.residual_in_fp32=false against this tree's default)
 #   bash tools/gpu_acceptance.sh scaling   (tools/bench_scaling.py: dp, cp, cp-allgather, tp at 1, 2, 4 GPUs;
 #                                           scaling_profile: 1 and 2 GPUs with a profiled step, every rank's trace)
+#   bash tools/gpu_acceptance.sh hybrids   (2 GPUs: gdn-verify bf16 of configs/qwen3next-1.3b and kimi-1.3b)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
 #                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
@@ -116,6 +117,17 @@ if [[ " $parts " == *" scaling_profile "* ]]; then
         tar czf "$out/profile_$run.tgz" -C "$profile" . && rm -r "$profile"
     done
     grep -A9 "^| dimension" "$out/scaling_profile.log"
+fi
+# The seeds' other hybrids (issue 43) on 2 GPUs: gdn-verify in bf16 at their widths (4 layers, 8K tokens)
+# over every default layout, and full attention's zigzag split under cp 2.
+if [[ " $parts " == *" hybrids "* ]]; then
+    V=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m gdn_parallel.verify --dtype bf16
+       --seq-len 8192 --rows 1 --set model.n_layers=4)
+    for config in qwen3next-1.3b kimi-1.3b; do
+        step "verify_$config" 280 "${V[@]}" --config "configs/$config.yaml" --layouts default cp2,zigzag \
+            --json "$out/verify_$config.json"
+        tail -16 "$out/verify_$config.log"
+    done
 fi
 # The multi-GPU acceptance (issue 41): gdn-verify --checkpoint bf16 over every default layout, the
 # long-context config across an asynchronous save and resumed from it, the restart drill. On 4 GPUs the

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layouts", nargs="+", action="extend", metavar="LAYOUT",
                         help="layouts to check instead of the default set, each like tp2,cp2 or "
                              "pp=2,dp=2,ddp (options: sp, allgather, zigzag, ddp, interleaved, vs=N, "
-                             "ac=full|selective)")
+                             "ac=full|selective); the word default adds the default set, e.g. "
+                             "--layouts default cp2,zigzag")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps compared (default 1; 2 with --checkpoint)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(PRECISIONS),

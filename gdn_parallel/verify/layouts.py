@@ -264,11 +264,19 @@ def describe_default_set(world_size: int, model: ModelConfig, tokens_per_row: in
 
 def layouts_to_run(specs: Sequence[str] | None, world_size: int, model: ModelConfig,
                    tokens_per_row: int) -> list[tuple[Layout, str | None]]:
-    """The layouts of the job: the default set, or the `--layouts` ones (which must all run)."""
+    """The layouts of the job: the default set, or the `--layouts` ones (which must all run); the word
+    `default` among them stands for the default set (its skips listed as usual), e.g. `--layouts
+    default cp2,zigzag`."""
     if not specs:
         return default_layouts(world_size, model, tokens_per_row)
-    chosen = []
-    for layout in parse_layouts(specs, world_size):
+    words = [item for spec in specs for item in re.split(r"[;\s]+", spec) if item]
+    if not words:
+        parse_layouts(specs, world_size)        # says that --layouts came without a layout
+    chosen = default_layouts(world_size, model, tokens_per_row) if "default" in words else []
+    named = [word for word in words if word != "default"]
+    for layout in parse_layouts(named, world_size) if named else []:
+        if any(layout == known for known, _ in chosen):
+            continue
         reason = unsupported_reason(layout, model, tokens_per_row)
         if reason is not None:
             raise LayoutError(f"layout {layout.name}: {reason}")

@@ -147,3 +147,12 @@ def test_old_tool_names_keep_their_meaning():
     assert all(set(LAYOUTS[n]) == {*DIMS, "sequence_parallel", "cp_algorithm", "cp_attention_split",
                                    "data_parallel", "pp_schedule",
                                    "virtual_stages"} for n in OLD_NAMES)
+
+
+def test_the_word_default_adds_the_default_set_to_the_named_layouts():
+    defaults = [layout.name for layout, _ in layouts_to_run(None, 4, TINY, ROW)]
+    assert "cp4,allgather" not in defaults and "dp4" in defaults
+    both = [layout.name for layout, _ in layouts_to_run(["default", "cp4,allgather;dp4"], 4, TINY, ROW)]
+    assert both == defaults + ["cp4,allgather"]      # a named layout of the default set runs once
+    with pytest.raises(LayoutError, match="without a layout"):
+        layouts_to_run([" "], 4, TINY, ROW)
