@@ -134,8 +134,9 @@ class ModelConfig:
     hidden_size: int = setting(128, "the model width, e.g. 128", rule=_at_least(1))
     n_layers: int = setting(4, "the number of blocks", rule=_at_least(1))
     layer_pattern: str = setting(
-        "GS", "one symbol per layer: G (Gated DeltaNet), S (sliding-window attention), A (full causal "
-              "attention); a shorter pattern is tiled when its length divides model.n_layers")
+        "GS", "one symbol per layer: G (Gated DeltaNet), K (Kimi Delta Attention), S (sliding-window "
+              "attention), A (full causal attention); a shorter pattern is tiled when its length divides "
+              "model.n_layers")
     # Gated DeltaNet (G layers)
     gdn_num_heads: int = setting(2, "the number of GDN q/k heads", rule=_at_least(1))
     gdn_num_v_heads: int | None = setting(
@@ -151,10 +152,26 @@ class ModelConfig:
                                   rule=Rule(_power_of_two, "must be a power of two"))
     gdn_impl: str = setting("auto", "the GDN op: auto (the Triton kernels on CUDA, chunk elsewhere), naive "
                                     "(token by token), chunk (chunked PyTorch) or triton", choices=GDN_IMPLS)
+    # Kimi Delta Attention (K layers: Kimi Linear's KDA, fla's KimiDeltaAttention)
+    kda_num_heads: int = setting(2, "the number of KDA q/k heads", rule=_at_least(1))
+    kda_num_v_heads: int | None = setting(
+        None, "the number of KDA value heads, a multiple of model.kda_num_heads (null: as many)",
+        rule=_at_least(1, or_null=True))
+    kda_head_dim: int = setting(32, "the KDA q/k head size, e.g. 128 (also the rank of the low-rank decay "
+                                    "and output-gate projections, times kda_expand_v)", rule=_at_least(1))
+    kda_expand_v: float = setting(1.0, "the KDA value head size is kda_head_dim * kda_expand_v, e.g. 1.0",
+                                  rule=_number_above(0.0))
+    kda_allow_neg_eigval: bool = setting(
+        False, "KDA beta in (0, 2) instead of (0, 1): the state transition may have negative eigenvalues")
+    kda_chunk_size: int = setting(64, "the tokens per chunk of the chunked KDA algorithm, e.g. 64",
+                                  rule=Rule(_power_of_two, "must be a power of two"))
+    kda_impl: str = setting("auto", "the KDA op: auto (chunk, on CUDA too: KDA has no Triton kernels yet), "
+                                    "naive (token by token) or chunk (chunked PyTorch)",
+                            choices=("auto", "naive", "chunk"))
     conv_size: int = setting(
-        4, "the short-convolution width (the fused kernel unrolls every tap), e.g. 4",
+        4, "the short-convolution width of GDN and KDA layers (the fused kernel unrolls every tap), e.g. 4",
         rule=_within(1, MAX_CONV_SIZE))
-    conv_bias: bool = setting(False, "a bias in the short convolutions")
+    conv_bias: bool = setting(False, "a bias in the short convolutions (GDN and KDA layers)")
     # attention (S and A layers)
     attn_num_heads: int = setting(4, "the number of attention query heads", rule=_at_least(1))
     attn_num_kv_heads: int | None = setting(
@@ -213,6 +230,14 @@ class ModelConfig:
         return int(self.gdn_head_dim * self.gdn_expand_v)
 
     @property
+    def kda_v_heads(self) -> int:
+        return self.kda_num_v_heads or self.kda_num_heads
+
+    @property
+    def kda_head_v_dim(self) -> int:
+        return int(self.kda_head_dim * self.kda_expand_v)
+
+    @property
     def num_kv_heads(self) -> int:
         return self.attn_num_kv_heads or self.attn_num_heads
 
@@ -259,6 +284,7 @@ class ModelConfig:
             raise ConfigError(f"model.gdn_expand_v={self.gdn_expand_v} gives a value head of "
                               f"model.gdn_head_dim * gdn_expand_v = {self.head_v_dim} > {max_head_dim} "
                               f"(kernel limit); lower gdn_expand_v or gdn_head_dim")
+        self._check_kda()
         if self.attn_head_dim is None and self.hidden_size % self.attn_num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.attn_num_heads="
@@ -284,6 +310,24 @@ class ModelConfig:
             raise ConfigError(f"model.hidden_ratio={self.hidden_ratio} gives an MLP width of 0 at "
                               f"model.hidden_size={self.hidden_size}; raise it or set "
                               f"model.intermediate_size")
+
+    def _check_kda(self) -> None:
+        if self.kda_v_heads % self.kda_num_heads:
+            raise ConfigError(
+                f"model.kda_num_v_heads={self.kda_v_heads} must be a multiple of model.kda_num_heads="
+                f"{self.kda_num_heads} (grouped value heads share q/k heads)")
+        value_head = self.kda_head_dim * self.kda_expand_v
+        if value_head != self.kda_head_v_dim or self.kda_head_v_dim < 1:
+            raise ConfigError(f"model.kda_expand_v={self.kda_expand_v} gives a value head of "
+                              f"model.kda_head_dim * kda_expand_v = {value_head}; choose kda_expand_v so "
+                              f"that this is a whole number >= 1")
+        if self.kda_head_dim > MAX_HEAD_DIM:
+            raise ConfigError(f"model.kda_head_dim={self.kda_head_dim} must be <= {MAX_HEAD_DIM}; use more "
+                              f"heads of at most {MAX_HEAD_DIM}")
+        if self.kda_head_v_dim > MAX_HEAD_DIM:
+            raise ConfigError(f"model.kda_expand_v={self.kda_expand_v} gives a value head of "
+                              f"model.kda_head_dim * kda_expand_v = {self.kda_head_v_dim} > {MAX_HEAD_DIM}; "
+                              f"lower kda_expand_v or kda_head_dim")
 
 
 @dataclass

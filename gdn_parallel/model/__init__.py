@@ -4,6 +4,7 @@ from .attention import Attention
 from .build import build_model, part_names
 from .gated_deltanet import NO_WEIGHT_DECAY, GatedDeltaNet, ShortConvolution
 from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of, residual_stream_dtype
+from .kda import KimiDeltaAttention
 from .loss import TokenCrossEntropy
 from .mixers import (
     FULL_ATTENTION,
@@ -21,7 +22,8 @@ from .mlp import SwiGLU
 from .norm import GatedRMSNorm, RMSNorm
 from .sequence import SequenceInfo
 
-__all__ = ["Attention", "GatedDeltaNet", "ShortConvolution", "Block", "DroppedPart", "HybridLM", "LMOutput",
+__all__ = ["Attention", "GatedDeltaNet", "KimiDeltaAttention", "ShortConvolution", "Block", "DroppedPart",
+           "HybridLM", "LMOutput",
            "residual_stream_dtype", "blocks_of", "build_model", "part_names", "architecture",
            "architecture_differences",
            "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_layers", "make_mixer",

@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
+from .kda import KimiDeltaAttention
 
 # Which keys a softmax-attention query sees (MixerKind.attention): formats that describe attention
 # layers by their window (fla's attn specs) map them to our symbols through it.
@@ -135,6 +136,50 @@ GDN_TENSOR_PARALLEL = TensorParallelLayout(
     heads=("num_heads", "num_v_heads"))
 
 
+# ---------------------------------------------------------------- kimi delta attention
+def _kda_flops(config: ModelConfig, seq_len: int) -> float:
+    """The chunk algorithm's products per token (ops/kda/chunk.py): the gated delta rule's, with the
+    decayed key and query products spelt out per channel (P(K), P(Q): 2 x 3 C K where GDN's K K^T and
+    Q K^T take 2 x 2 C K) and the state read and write."""
+    C, K, V = config.kda_chunk_size, config.kda_head_dim, config.kda_head_v_dim
+    return config.kda_v_heads * (6 * C * K + 2 * C * V + C * (K + V) + 6 * K * V)
+
+
+def _kda_architecture(config: ModelConfig) -> dict[str, object]:
+    return {"model.kda_num_heads": config.kda_num_heads, "model.kda_num_v_heads": config.kda_v_heads,
+            "model.kda_head_dim": config.kda_head_dim,
+            "KDA value head (kda_head_dim * kda_expand_v)": config.kda_head_v_dim,
+            "model.kda_allow_neg_eigval": config.kda_allow_neg_eigval,
+            "model.conv_size": config.conv_size, "model.conv_bias": config.conv_bias}
+
+
+def _kda_activations(config: ModelConfig) -> tuple[float, float]:
+    """Kept (bf16 under autocast but where said): the convolutions' inputs; the rule's q and k
+    (normalised) and v; the decay logits and the low-rank inputs of f_proj and g_proj; in fp32 the
+    decays, beta, the chunk factors W, U, the decayed keys and queries, the two decayed products of a
+    chunk and the chunk states; the output gate, the rule's output and its normed product. In the
+    backward: dq, dk, dv, the decay's gradient and a value-sized one. (Counted from the PyTorch chunk
+    form, whose autograd keeps every factor: kernels would keep less.)"""
+    HV, K, V, C = config.kda_v_heads, config.kda_head_dim, config.kda_head_v_dim, config.kda_chunk_size
+    key, value, decay = config.kda_num_heads * K, HV * V, HV * K
+    kept = (2 * (2 * key + value) * 2 + 2 * (decay + 2 * config.kda_head_v_dim)
+            + 4 * (decay + HV + 4 * HV * K + HV * V + 2 * HV * C + HV * K * V / C) + 2 * 3 * value)
+    return kept, 2 * (2 * key + value) + 4 * decay + 2 * value
+
+
+# As GDN's: q/k rows by q/k head, v/b rows, the decay's and the gate's second (head-sized) linears, conv
+# channels, A_log and dt_bias by value head. The low-rank first linears of the decay and the gate read
+# the whole input and feed every head: replicated, each rank's gradient from its own heads only; so is
+# o_norm's one weight.
+KDA_TENSOR_PARALLEL = TensorParallelLayout(
+    column=("q_proj", "k_proj", "v_proj", "b_proj", "f_proj.1", "g_proj.1"),
+    row=("o_proj",),
+    split=tuple((f"{conv}.{param}", 0) for conv in ("q_conv1d", "k_conv1d", "v_conv1d")
+                for param in ("weight", "bias")) + (("A_log", 0), ("dt_bias", 0)),
+    partial_grad=("f_proj.0.weight", "g_proj.0.weight", "o_norm.weight"),
+    heads=("num_heads", "num_v_heads"))
+
+
 # ---------------------------------------------------------------- softmax attention
 def _attention_flops(visible_keys: Callable[[ModelConfig, int], float]):
     def flops(config: ModelConfig, seq_len: int) -> float:
@@ -204,6 +249,15 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
                                  ("model.gdn_num_v_heads", config.num_v_heads)],
         tensor_parallel=GDN_TENSOR_PARALLEL, context_parallel=STATE_RELAY,
         activation_bytes_per_token=_gdn_activations),
+    MixerKind(
+        symbol="K", description="kimi delta attention", module=KimiDeltaAttention, build=KimiDeltaAttention,
+        fields=("kda_num_heads", "kda_num_v_heads", "kda_head_dim", "kda_expand_v", "kda_allow_neg_eigval",
+                "kda_chunk_size", "kda_impl", "conv_size", "conv_bias"),
+        flops_per_token=_kda_flops, architecture=_kda_architecture,
+        tp_split=lambda config: [("model.kda_num_heads", config.kda_num_heads),
+                                 ("model.kda_num_v_heads", config.kda_v_heads)],
+        tensor_parallel=KDA_TENSOR_PARALLEL, context_parallel=STATE_RELAY,
+        activation_bytes_per_token=_kda_activations),
     MixerKind(
         symbol="S", description="sliding-window attention", module=Attention,
         build=lambda config: Attention(config, window=config.window_size),

@@ -33,9 +33,20 @@ class ResidualRMSNorm(RMSNorm):
 
 
 class GatedRMSNorm(RMSNorm):
-    """rmsnorm(x) * weight * silu(gate): normalise first, then gate (flash-linear-attention's order)."""
+    """rmsnorm(x) * weight * silu(gate): normalise first, then gate (flash-linear-attention's order).
+    activation="sigmoid": * sigmoid(gate) instead (Kimi Delta Attention's output gate; fla's
+    FusedRMSNormGated(activation="sigmoid")), the gate applied after the norm's kernel."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
+        super().__init__(dim, eps)
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"activation={activation!r}: the gated RMSNorm takes 'silu' or 'sigmoid'")
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if self.activation == "sigmoid" and gate is not None:
+            out = rms_norm(x, self.weight, self.eps)
+            return out * torch.sigmoid(gate.to(out.dtype))
         return rms_norm(x, self.weight, self.eps, gate)
 
 

@@ -343,12 +343,12 @@ def test_a_mixer_must_declare_its_context_parallel_form_and_memory():
     assert (kept - block_kept, gradients - block_gradients) == TOY.activation_bytes_per_token(config)
 
 
-BUILT_IN_FORMS = {"G": STATE_RELAY, "S": HALO_EXCHANGE, "A": KV_ALL_GATHER}
+BUILT_IN_FORMS = {"G": STATE_RELAY, "K": STATE_RELAY, "S": HALO_EXCHANGE, "A": KV_ALL_GATHER}
 
 
 def test_the_built_in_mixers_declare_what_their_ops_implement():
-    """GDN: the state relay or the summary all-gather (and the conv halo); sliding window: the K/V halo;
-    full attention: the K/V all-gather, across ranks only. The tests below run each form."""
+    """GDN and KDA: the state relay or the summary all-gather (and the conv halo); sliding window: the K/V
+    halo; full attention: the K/V all-gather, across ranks only. The tests below run each form."""
     assert {symbol: kind.context_parallel for symbol, kind in MIXERS.items()} == BUILT_IN_FORMS
     assert [form for form in BUILT_IN_FORMS.values() if not form.across_chunks] == [KV_ALL_GATHER]
     assert all(form.across_ranks for form in BUILT_IN_FORMS.values())
@@ -357,7 +357,8 @@ def test_the_built_in_mixers_declare_what_their_ops_implement():
 # A row of documents crossing the boundaries of 3 chunks (or 2 ranks of 12 tokens), the window (6)
 # reaching into the previous piece.
 MIXER_CONFIG = ModelConfig(vocab_size=64, hidden_size=32, n_layers=1, gdn_num_heads=2, gdn_num_v_heads=4,
-                           gdn_head_dim=8, gdn_chunk_size=8, gdn_impl="chunk", attn_num_heads=4,
+                           gdn_head_dim=8, gdn_chunk_size=8, gdn_impl="chunk", kda_num_heads=2,
+                           kda_num_v_heads=4, kda_head_dim=8, kda_chunk_size=8, attn_num_heads=4,
                            attn_num_kv_heads=2, attn_impl="sdpa", window_size=6)
 ROW, CU = 24, [0, 5, 17, 24]
 

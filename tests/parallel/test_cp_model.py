@@ -1,4 +1,4 @@
-"""HybridLM (G, S and A layers) under context parallelism equals one process: loss, every
+"""HybridLM (G, K, S and A layers) under context parallelism equals one process: loss, every
 parameter gradient, and the parameters after a few AdamW steps."""
 import copy
 
@@ -16,15 +16,17 @@ from tests.seeds import seed_torch
 TOTAL = 48
 
 
-def model_config(algorithm_window):
-    return ModelConfig(vocab_size=64, hidden_size=32, n_layers=3, layer_pattern="GSA", gdn_num_heads=2,
-                       gdn_num_v_heads=4, gdn_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2,
-                       window_size=algorithm_window, gdn_chunk_size=8, intermediate_size=48)
+def model_config(algorithm_window, layer_pattern="GSA"):
+    return ModelConfig(vocab_size=64, hidden_size=32, n_layers=3, layer_pattern=layer_pattern,
+                       gdn_num_heads=2, gdn_num_v_heads=4, gdn_head_dim=8, attn_num_heads=4,
+                       attn_num_kv_heads=2, window_size=algorithm_window, gdn_chunk_size=8,
+                       intermediate_size=48, kda_num_heads=2, kda_num_v_heads=4, kda_head_dim=8,
+                       kda_chunk_size=8)
 
 
-def train_equal(rank, world, algorithm, window):
+def train_equal(rank, world, algorithm, window, layer_pattern="GSA"):
     seed_torch(0)
-    reference = HybridLM(model_config(window)).double()
+    reference = HybridLM(model_config(window, layer_pattern)).double()
     model = copy.deepcopy(reference)
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -36,7 +38,7 @@ def train_equal(rank, world, algorithm, window):
 
         total_loss = cp_step(model, batch, rank, world, algorithm)
 
-        tag = f"{algorithm} window={window} step={step} rank={rank}"
+        tag = f"{layer_pattern} {algorithm} window={window} step={step} rank={rank}"
         assert rel_err(total_loss, out.loss.detach()) < 1e-12, tag   # a loss near log(vocab)
         assert_close_set({n: p.grad for n, p in model.named_parameters()},
                          {n: p.grad for n, p in reference.named_parameters()}, 1e-9, f"grads, {tag}")
@@ -53,6 +55,8 @@ def all_model_cases(rank, world):
     for algorithm in ("relay", "allgather"):
         train_equal(rank, world, algorithm, window=5)
     train_equal(rank, world, "relay", window=30)   # SWA halo over several ranks at CP=4
+    for algorithm in ("relay", "allgather"):        # Kimi Delta Attention's state, as GDN's
+        train_equal(rank, world, algorithm, window=5, layer_pattern="KKA")
     return True
 
 

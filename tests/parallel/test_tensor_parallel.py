@@ -1,4 +1,4 @@
-"""HybridLM (G, S and A layers) under tensor parallelism (with and without sequence parallelism,
+"""HybridLM (G, K, S and A layers) under tensor parallelism (with and without sequence parallelism,
 and combined with context parallelism) equals one process in float64: loss, every parameter
 gradient gathered to full shape, and the parameters after two AdamW steps."""
 import copy
@@ -33,7 +33,7 @@ def model_config(**overrides):
     base = dict(vocab_size=64, hidden_size=32, n_layers=3, layer_pattern="GSA", gdn_num_heads=2,
                 gdn_num_v_heads=4, gdn_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2, window_size=5,
                 gdn_chunk_size=8, intermediate_size=48, attn_output_gate=True, attn_qkv_bias=True,
-                conv_bias=True)
+                conv_bias=True, kda_num_heads=2, kda_num_v_heads=4, kda_head_dim=8, kda_chunk_size=8)
     return ModelConfig(**{**base, **overrides})
 
 
@@ -97,6 +97,9 @@ def tp_cases(rank, world):
     for kv_heads in (2, 1):
         config = model_config(attn_num_kv_heads=kv_heads, attn_qk_norm=True, attn_rotary_dim=4)
         train_equal(group, False, config, tag=f"qk_norm kv{kv_heads}")
+    # Kimi Linear's pattern: KDA (its low-rank decay and output-gate inputs replicated, partial
+    # gradients) beside full attention without RoPE.
+    train_equal(group, True, model_config(layer_pattern="KKA", attn_rotary_dim=0), tag="kda")
     return True
 
 
@@ -104,6 +107,8 @@ def tp_cp_cases(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     for sp in (False, True):
         train_equal(mesh.get_group("tp"), sp, model_config(), cp_group=mesh.get_group("cp"), tag="tp2xcp2")
+    train_equal(mesh.get_group("tp"), False, model_config(layer_pattern="KGA"), cp_group=mesh.get_group("cp"),
+                tag="kda tp2xcp2")
     return True
 
 

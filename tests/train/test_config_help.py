@@ -21,7 +21,8 @@ FIELD_LINE = re.compile(r"^  (\w+): (.*?)(?:  # (.+))?$")
 OUT_OF_RANGE = {
     "model.vocab_size": 0, "model.hidden_size": 0, "model.n_layers": 0, "model.gdn_num_heads": 0,
     "model.gdn_num_v_heads": 0, "model.gdn_head_dim": 0, "model.gdn_expand_v": -1.0,
-    "model.gdn_chunk_size": 48,
+    "model.gdn_chunk_size": 48, "model.kda_num_heads": 0, "model.kda_num_v_heads": 0, "model.kda_head_dim": 0,
+    "model.kda_expand_v": -1.0, "model.kda_chunk_size": 48,
     "model.conv_size": 9, "model.attn_num_heads": 0, "model.attn_num_kv_heads": 0, "model.attn_head_dim": 0,
     "model.attn_rotary_dim": -2,
     "model.window_size": 0, "model.rope_theta": 0.0, "model.hidden_ratio": float("nan"),

@@ -52,9 +52,9 @@ def test_a_long_help_goes_above_its_field_and_section_docstrings_are_kept(printe
     assert "  vocab_size: 256  # the number of token ids (256 for bytes); must be >= 1" in lines
     pattern = lines.index("  layer_pattern: GS")
     assert lines[pattern - 2:pattern] == [
-        "  # one symbol per layer: G (Gated DeltaNet), S (sliding-window attention), A (full causal "
-        "attention); a",
-        "  # shorter pattern is tiled when its length divides model.n_layers"]
+        "  # one symbol per layer: G (Gated DeltaNet), K (Kimi Delta Attention), S (sliding-window "
+        "attention), A (full",
+        "  # causal attention); a shorter pattern is tiled when its length divides model.n_layers"]
     assert max(map(len, lines[1:])) <= 110   # the header line repeats the command line
     parallel = lines.index("parallel:")
     assert lines[parallel - 1] == \

@@ -7,11 +7,11 @@ import torch
 from gdn_kernels.chunk_layout import build_layout
 
 from ...comm import CPContext
-from ...config import CP_ALGORITHMS, GDN_IMPLS, MAX_HEAD_DIM
+from ...config import GDN_IMPLS, MAX_HEAD_DIM
 from ..triton_dispatch import auto_uses_triton, check_triton_input, imported_kernel
 from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_factors, chunk_gated_delta_rule
-from .cp import cp_gated_delta_rule
+from .cp import check_cp_call, cp_gated_delta_rule
 from .gates import activate_gates, check_gate_args
 from .naive import naive_recurrence
 from .summary import fold_chunk_transitions
@@ -86,11 +86,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None,
 
 
 def _check_sequences(cu_seqlens, initial_state, batch: int, tokens: int, cp: CPContext | None):
-    """cu_seqlens checked (one state per sequence) without CP; under CP one packed row, no cu_seqlens."""
+    """cu_seqlens checked (one state per sequence) without CP; under CP, check_cp_call checks the call."""
     if cp is not None:
-        if batch != 1:
-            raise ValueError(f"context parallelism takes one packed row: q has batch {batch}; flatten the "
-                             f"batch into [1, total] and describe it with the global cu_seqlens")
         return cu_seqlens
     cu_seqlens = check_cu_seqlens(cu_seqlens, batch, tokens)
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -104,17 +101,7 @@ def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state
                       impl, chunk_size, cp: CPContext, gates):
     """q, k normalised and expanded to the value heads by the caller, except with impl "triton" (the
     kernels do both); `gates` the activations left to the kernels (empty when already applied)."""
-    if impl == "naive":
-        raise ValueError("impl='naive' is the single-process oracle; context parallelism runs the chunk "
-                         "algorithm (impl='chunk' or 'auto')")
-    if cu_seqlens is not None:
-        raise ValueError("cu_seqlens and cp exclude each other: the context-parallel plan holds the row's "
-                         "global document boundaries (CPContext.build(group, cu_seqlens, local_len))")
-    if q.shape[1] != cp.local_len:
-        raise ValueError(f"the local tensors have {q.shape[1]} tokens but the CP plan has {cp.local_len} "
-                         f"per rank")
-    if cp.algorithm not in CP_ALGORITHMS:
-        raise ValueError(f"the CP plan's algorithm {cp.algorithm!r} is not one of {CP_ALGORITHMS}")
+    check_cp_call(q, cu_seqlens, cp, impl)
     if impl == "triton":
         _check_triton(q, chunk_size)
     return cp_gated_delta_rule(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,

@@ -12,9 +12,21 @@ once (`ChunkFactors`), which is also what context parallelism overlaps with the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from gdn_kernels.chunk_layout import ChunkLayout
+
+
+class ChunkTransitions(Protocol):
+    """What the chunk recurrence and a context-parallel rank's summary read of chunk factors: the gated
+    delta rule's (ChunkFactors) and Kimi Delta Attention's (ops/kda/chunk.py, a decay per key channel)."""
+    w: torch.Tensor
+    u: torch.Tensor
+    k_to_end: torch.Tensor
+    chunk_decay: torch.Tensor
+
+    def transition(self, index) -> tuple: ...
 
 
 @dataclass
@@ -60,9 +72,18 @@ def chunk_factors(q, k, v, g, beta, scale: float) -> ChunkFactors:
     )
 
 
-def chunk_recurrence(factors: ChunkFactors, layout: ChunkLayout, initial_state: torch.Tensor):
+def decay_state(chunk_decay: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """exp(gamma_C) S: chunk_decay [., HV] scales each head's state, [., HV, K] (Kimi Delta Attention's
+    decay per key channel) each row of it; state [., HV, K, V]."""
+    per_channel = chunk_decay.dim() == state.dim() - 1
+    return (chunk_decay[..., None] if per_channel else chunk_decay[..., None, None]) * state
+
+
+def chunk_recurrence(factors: ChunkTransitions, layout: ChunkLayout, initial_state: torch.Tensor):
     """Hand the state from chunk to chunk of every document.
 
+    Takes any factors with the fields of ChunkFactors, the chunk decay per head or per key channel
+    (`decay_state`): Kimi Delta Attention's (ops/kda/chunk.py) walk the same way.
     Returns (state at the start of every chunk [n, HV, K, V], final state per document [N, HV, K, V]).
     Step i advances the i-th chunk of every document that has one, so the loop is as long as the
     longest document, not the whole row.
@@ -85,7 +106,7 @@ def chunk_recurrence(factors: ChunkFactors, layout: ChunkLayout, initial_state: 
         starts.append(current)
         order.append(chunks)
         delta = factors.u[chunks] - factors.w[chunks] @ current
-        advanced = (factors.chunk_decay[chunks][..., None, None] * current
+        advanced = (decay_state(factors.chunk_decay[chunks], current)
                     + factors.k_to_end[chunks].transpose(-1, -2) @ delta)
         state = advanced.index_select(0, torch.argsort(doc_index)) if everyone \
             else state.index_copy(0, doc_index, advanced)

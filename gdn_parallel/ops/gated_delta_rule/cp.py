@@ -15,17 +15,55 @@ after the walk and before the outputs, and in the backward send the state gradie
 backward walk. The allgather runs the kernels once, on values widened by K zero columns, so that
 the same run yields the summary and the outputs up to a correction linear in the incoming state
 (_triton_allgather_continuing): no second pass after the all-gather.
+
+The PyTorch path (`cp_chunked`) takes the chunk form as data (`ChunkRule`): Kimi Delta Attention
+(ops/kda/cp.py), whose state and segment summaries have the same shapes, runs through it too.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from gdn_kernels.chunk_layout import build_layout
 
 from ...comm.context import CPContext, sequence_lengths
 from ...comm.p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
+from ...config import CP_ALGORITHMS
 from ..triton_dispatch import imported_kernel
-from .chunk import chunk_factors, chunk_outputs, chunk_recurrence
+from .chunk import ChunkTransitions, chunk_factors, chunk_outputs, chunk_recurrence
 from .summary import fold_chunk_transitions
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """A delta rule's PyTorch chunk form as the context-parallel path runs it: the gated delta rule's,
+    or Kimi Delta Attention's (ops/kda/cp.py). Both keep a [K, V] state per head, so the hand-over,
+    the summaries and their fold are the same."""
+    factors: Callable    # (q, k, v, g, beta, scale) chunked [n, C, HV, *] -> ChunkTransitions
+    outputs: Callable    # (factors, chunk states [n, HV, K, V]) -> [n, C, HV, V]
+
+
+GATED_DELTA_RULE = ChunkRule(chunk_factors, chunk_outputs)
+
+
+def check_cp_call(q, cu_seqlens, cp: CPContext, impl: str) -> None:
+    """The arguments of a delta rule's call with a CP plan: the chunk algorithm on this rank's shard of
+    one packed row, whose documents the plan holds."""
+    if impl == "naive":
+        raise ValueError("impl='naive' is the single-process oracle; context parallelism runs the chunk "
+                         "algorithm (impl='chunk' or 'auto')")
+    if q.shape[0] != 1:
+        raise ValueError(f"context parallelism takes one packed row: q has batch {q.shape[0]}; flatten the "
+                         f"batch into [1, total] and describe it with the global cu_seqlens")
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens and cp exclude each other: the context-parallel plan holds the row's "
+                         "global document boundaries (CPContext.build(group, cu_seqlens, local_len))")
+    if q.shape[1] != cp.local_len:
+        raise ValueError(f"the local tensors have {q.shape[1]} tokens but the CP plan has {cp.local_len} "
+                         f"per rank")
+    if cp.algorithm not in CP_ALGORITHMS:
+        raise ValueError(f"the CP plan's algorithm {cp.algorithm!r} is not one of {CP_ALGORITHMS}")
 
 
 def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
@@ -42,24 +80,47 @@ def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_
         raise ValueError("cp_gated_delta_rule applies decay_params/beta_activation/use_qk_l2norm only with "
                          "impl='triton'; apply them first (ops.gated_delta_rule.gates.activate_gates, "
                          "l2_normalize)")
+    if impl != "triton":
+        return cp_chunked(GATED_DELTA_RULE, q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
+                          initial_state=initial_state, output_final_state=output_final_state)
+    _check_shard(q, initial_state, cp)
+    incoming = _post_incoming_state(cp, k, v)
+    gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
+    return _triton(q, k, v, g, beta, scale, cp, initial_state, output_final_state, incoming, gates)
+
+
+def _check_shard(q, initial_state, cp: CPContext) -> None:
     if q.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
     if initial_state is not None and initial_state.shape[0] != cp.docs_starting_here:
         raise ValueError(f"initial_state has {initial_state.shape[0]} states but {cp.docs_starting_here} "
                          f"documents start on CP rank {cp.rank}: give states only for those")
+
+
+def _post_incoming_state(cp: CPContext, k, v):
+    """The relay's receive of the state [1, HV, K, V] from the previous piece, posted before the local
+    work it overlaps."""
+    if not (cp.continues_from_prev and cp.algorithm == "relay"):
+        return None
+    shape = (1, v.shape[2], k.shape[-1], v.shape[-1])
+    return post_recv_from_prev(cp, shape, torch.promote_types(v.dtype, torch.float32), v.device)
+
+
+def cp_chunked(rule: ChunkRule, q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
+               initial_state: torch.Tensor | None, output_final_state: bool):
+    """A delta rule's PyTorch chunk form on this rank's shard (module docstring): q, k [1, L, HV, K]
+    expanded to the value heads, v [1, L, HV, V], g and beta as `rule` takes them, activated.
+    initial_state: [docs starting on this rank, HV, K, V] or None. Returns (o [1, L, HV, V], final
+    states of the documents that end on this rank or None)."""
+    _check_shard(q, initial_state, cp)
     dtype = torch.promote_types(v.dtype, torch.float32)
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     anchors = tuple(x for x in (q, k, v, g, beta, initial_state) if x is not None)
+    incoming = _post_incoming_state(cp, k, v)
 
-    incoming = (post_recv_from_prev(cp, (1, HV, K, V), dtype, v.device)
-                if cp.continues_from_prev and cp.algorithm == "relay" else None)
-
-    if impl == "triton":
-        gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
-        return _triton(q, k, v, g, beta, scale, cp, initial_state, output_final_state, incoming, gates)
     layout = build_layout(sequence_lengths(cp.local_cu_list), chunk_size, v.device)
     q_c, k_c, v_c, g_c, beta_c = (layout.pad(x[0].to(dtype)) for x in (q, k, v, g, beta))
-    factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=scale)
+    factors = rule.factors(q_c, k_c, v_c, g_c, beta_c, scale)
     starting = (torch.zeros(cp.docs_starting_here, HV, K, V, dtype=dtype, device=v.device)
                 if initial_state is None else initial_state.to(dtype))
 
@@ -73,13 +134,13 @@ def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_
     chunk_states, final = chunk_recurrence(factors, layout, states)
     if cp.continues_to_next and cp.algorithm == "relay":
         token = send_to_next(cp, final[-1:])
-    o = layout.unpad(chunk_outputs(factors, chunk_states)).to(v.dtype).unsqueeze(0)
+    o = layout.unpad(rule.outputs(factors, chunk_states)).to(v.dtype).unsqueeze(0)
     o = tie(o, token)
     final_out = final[:cp.docs_ending_here] if output_final_state else None
     return o, final_out
 
 
-def _allgather_incoming_state(factors, layout, cp: CPContext, starting):
+def _allgather_incoming_state(factors: ChunkTransitions, layout, cp: CPContext, starting):
     """Fold every earlier rank's summary of its last piece into this rank's incoming state. The
     summaries are composed in the state's dtype, autocast or not (docs/design.md §2): the all-gather
     also needs one dtype on every rank, and only some ranks run the product below."""
@@ -87,7 +148,7 @@ def _allgather_incoming_state(factors, layout, cp: CPContext, starting):
         return _allgather_incoming_state_fp32(factors, layout, cp, starting)
 
 
-def _allgather_incoming_state_fp32(factors, layout, cp: CPContext, starting):
+def _allgather_incoming_state_fp32(factors: ChunkTransitions, layout, cp: CPContext, starting):
     last = layout.num_docs - 1
     first_chunk, n_chunks = layout.doc_first_chunk[last], layout.doc_num_chunks[last]
     m, s = factors.transition(slice(first_chunk, first_chunk + n_chunks))

@@ -4,18 +4,23 @@
 
 with g_t in R^K (<= 0) per value head and token. The state is [K, V] per head, as the gated delta
 rule's (docs/design.md §1), which is KDA with g equal across the channels. One public function per
-op, with its oracle (`naive`) beside the PyTorch chunked form (`chunk`); the segment summary is what
-a context-parallel rank exchanges (docs/design.md §2). No Triton kernels yet.
+op, with its oracle (`naive`) beside the PyTorch chunked form (`chunk`) and the context-parallel form
+(cp.py: the gated delta rule's state relay and summary all-gather, docs/design.md §2); the segment
+summary is what a rank exchanges under the all-gather. No Triton kernels yet.
 """
 from __future__ import annotations
 
 import torch
 from gdn_kernels.chunk_layout import build_layout
 
+from ...comm import CPContext
 from ...config import MAX_HEAD_DIM
 from ..gated_delta_rule import l2_normalize
+from ..gated_delta_rule.cp import check_cp_call
 from ..validation import check_cu_seqlens, values_checked
 from .chunk import chunk_kda
+from .cp import cp_kimi_delta_attention
+from .gates import activate_kda_gates, check_kda_gate_args
 from .naive import naive_documents
 from .summary import document_summaries
 
@@ -27,7 +32,8 @@ KDA_IMPLS = ("auto", "naive", "chunk")
 def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                          cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
-                         impl: str = "auto", chunk_size: int = 64):
+                         impl: str = "auto", chunk_size: int = 64, cp: CPContext | None = None,
+                         decay_params=None, beta_activation: str | None = None):
     """Run Kimi Delta Attention over [B, T] tokens (or one packed row of documents).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head j reads q/k head
@@ -37,14 +43,32 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
     impl: "naive" (the float64 token loop), "chunk" (PyTorch, chunks of `chunk_size`) or "auto"
     (chunk). Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 (float64 for
     float64 inputs) or None).
+
+    Context parallelism: with `cp` (the row's plan, `gdn_parallel.comm.CPContext`; give no
+    `cu_seqlens`) the tensors are this rank's contiguous slice of one packed row, as for
+    gated_delta_rule: `initial_state` holds the documents that start on this rank and the final states
+    returned are those of the documents that end on it (docs/design.md §2).
+
+    Activations (Kimi Linear's layer): with `decay_params` = (A_log [HV], dt_bias [HV * K]), g holds the
+    logits f of g = -exp(A_log) * softplus(f + dt_bias); with `beta_activation` "sigmoid" or "2sigmoid"
+    (allowing negative eigenvalues), beta holds logits.
     """
-    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size)
-    cu_seqlens = _check_sequences(cu_seqlens, initial_state, B, T)
+    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size,
+                                      g_is_decay=decay_params is None)
+    check_kda_gate_args(decay_params, beta_activation, HV, K)
+    if cp is not None:
+        check_cp_call(q, cu_seqlens, cp, impl)
+    else:
+        cu_seqlens = _check_sequences(cu_seqlens, initial_state, B, T)
     scale = K ** -0.5 if scale is None else scale
+    g, beta = activate_kda_gates(g, beta, decay_params, beta_activation)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    if cp is not None:
+        return cp_kimi_delta_attention(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
+                                       initial_state=initial_state, output_final_state=output_final_state)
     if impl == "naive":
         o, final = naive_documents(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     else:
@@ -92,7 +116,7 @@ def _check_sequences(cu_seqlens, initial_state, batch: int, tokens: int):
     return cu_seqlens
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
+def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size, g_is_decay=True):
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor) or x.dim() != rank:
             hint = " (KDA's log decay has one value per key channel: [B, T, HV, K])" if name == "g" else ""
@@ -118,7 +142,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size):
                          f"and key channel), got {list(g.shape)}")
     if tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"beta must have shape [B, T, HV] = {[B, T, HV]}, got {list(beta.shape)}")
-    if values_checked(g) and g.numel() and bool((g > 0).any()):
+    if g_is_decay and values_checked(g) and g.numel() and bool((g > 0).any()):
         raise ValueError("g is the log decay and must be <= 0 everywhere (alpha = exp(g) in (0, 1]); "
                          f"got max {g.max().item():.4g}")
     if initial_state is not None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from gdn_kernels.chunk_layout import ChunkLayout
 
+from ..gated_delta_rule.chunk import chunk_recurrence
+
 BLOCK = 16  # tokens per diagonal block of the decayed products
 
 
@@ -95,7 +97,8 @@ def decayed_products(x: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> torch
 
 def chunk_factors(q: torch.Tensor | None, k, v, g, beta, scale: float) -> KDAChunkFactors:
     """Inputs [n, C, HV, *] (chunked, compute dtype; g [n, C, HV, K]). All chunks at once, no
-    dependence on the state. Without q (None) only the transition factors are built."""
+    dependence on the state. Without q (None) only the transition factors are built. The gated delta
+    rule's chunk recurrence walks them (its `decay_state` takes the per-channel chunk decay)."""
     k, v, g = (x.transpose(1, 2) for x in (k, v, g))           # [n, HV, C, *]
     beta = beta.transpose(1, 2)                                # [n, HV, C]
     C = k.shape[-2]
@@ -112,40 +115,6 @@ def chunk_factors(q: torch.Tensor | None, k, v, g, beta, scale: float) -> KDAChu
         qk_masked = decayed_products(q, k, g) * scale
     return KDAChunkFactors(w=w, u=u, k_to_end=k * _suffix_log_decay(g).exp(), q_decayed=q_decayed,
                            qk_masked=qk_masked, chunk_decay=cumulative[..., -1, :].exp())
-
-
-def chunk_recurrence(factors: KDAChunkFactors, layout: ChunkLayout, initial_state: torch.Tensor):
-    """Hand the state from chunk to chunk of every document.
-
-    Returns (state at the start of every chunk [n, HV, K, V], final state per document [N, HV, K, V]).
-    Step i advances the i-th chunk of every document that has one, so the loop is as long as the
-    longest document, not the whole row (as the gated delta rule's, with a per-channel decay).
-    """
-    state = initial_state
-    starts, order = [], []
-    device = state.device
-    # Documents sorted longest first: the ones still active at step i are a prefix of this order.
-    by_length = sorted(range(layout.num_docs), key=lambda d: -layout.doc_num_chunks[d])
-    by_length_t = torch.tensor(by_length, dtype=torch.long, device=device)
-    first_chunk = torch.tensor(layout.doc_first_chunk, dtype=torch.long, device=device)
-    active = layout.num_docs
-    for step in range(layout.max_chunks):
-        while layout.doc_num_chunks[by_length[active - 1]] <= step:
-            active -= 1
-        doc_index = by_length_t[:active]
-        chunks = first_chunk.index_select(0, doc_index) + step
-        current = state.index_select(0, doc_index)
-        starts.append(current)
-        order.append(chunks)
-        delta = factors.u[chunks] - factors.w[chunks] @ current
-        advanced = (factors.chunk_decay[chunks][..., None] * current
-                    + factors.k_to_end[chunks].transpose(-1, -2) @ delta)
-        state = (advanced.index_select(0, torch.argsort(doc_index)) if active == layout.num_docs
-                 else state.index_copy(0, doc_index, advanced))
-    if not starts:
-        return initial_state.new_zeros(0, *initial_state.shape[1:]), state
-    chunk_states = torch.cat(starts).index_select(0, torch.argsort(torch.cat(order)))
-    return chunk_states, state
 
 
 def chunk_outputs(factors: KDAChunkFactors, chunk_states: torch.Tensor) -> torch.Tensor:
