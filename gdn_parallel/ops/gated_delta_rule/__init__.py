@@ -7,12 +7,13 @@ import torch
 from gdn_kernels.chunk_layout import build_layout
 
 from ...comm import CPContext
-from ...config import GDN_IMPLS, MAX_HEAD_DIM
+from ...config import GDN_IMPLS
 from ..triton_dispatch import auto_uses_triton, check_triton_input, imported_kernel
-from ..validation import check_cu_seqlens, values_checked
+from ..validation import check_cu_seqlens
 from .chunk import chunk_factors, chunk_gated_delta_rule
 from .cp import check_cp_call, cp_gated_delta_rule
 from .gates import activate_gates, check_gate_args
+from .inputs import check_chunk_size, check_rule_inputs, check_sequences, state_dtype
 from .naive import naive_recurrence
 from .summary import fold_chunk_transitions
 
@@ -82,19 +83,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None,
         o, final = chunk_gated_delta_rule(q_f, k_f, v_f, g_f, beta_f, scale=scale, layout=layout,
                                           initial_state=initial_state)
         o = o.reshape(B, T, HV, V)
-    return o, (final.to(_state_dtype(v)) if output_final_state else None)
+    return o, (final.to(state_dtype(v)) if output_final_state else None)
 
 
 def _check_sequences(cu_seqlens, initial_state, batch: int, tokens: int, cp: CPContext | None):
     """cu_seqlens checked (one state per sequence) without CP; under CP, check_cp_call checks the call."""
-    if cp is not None:
-        return cu_seqlens
-    cu_seqlens = check_cu_seqlens(cu_seqlens, batch, tokens)
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape[0] != num_seqs:
-        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
-                         f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'})")
-    return cu_seqlens
+    return cu_seqlens if cp is not None else check_sequences(cu_seqlens, initial_state, batch, tokens)
 
 
 def _context_parallel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -123,7 +117,7 @@ def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
         k = l2_normalize(k)
     if HV != H:
         k = k.repeat_interleave(HV // H, dim=2)
-    dtype = _state_dtype(v)
+    dtype = state_dtype(v)
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     layout = build_layout(lengths, chunk_size, v.device)
     q_c, k_c, v_c, g_c, beta_c = (layout.pad(x.reshape(B * T, *x.shape[2:]).to(dtype))
@@ -131,10 +125,6 @@ def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
     factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=1.0)
     m, s = factors.transition(slice(None))
     return fold_chunk_transitions(m, s, layout)
-
-
-def _state_dtype(v: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(v.dtype, torch.float32)
 
 
 def _naive_per_document(q, k, v, g, beta, scale, initial_state, lengths):
@@ -173,38 +163,9 @@ def _check_triton(q, chunk_size):
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size, g_is_decay=True):
-    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
-        if not isinstance(x, torch.Tensor) or x.dim() != rank:
-            raise ValueError(f"{name} must be a {rank}-D tensor, got shape {tuple(getattr(x, 'shape', ()))}")
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {x.dtype}")
-    if k.shape != q.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; they must match")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    B, T, H, K = q.shape
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"v has shape {tuple(v.shape)}; its batch and length must match q {tuple(q.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H:
-        raise ValueError(f"v has {HV} heads, not a multiple of the {H} heads of q/k (num_v_heads must be "
-                         f"a multiple of num_heads)")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"head dims must be <= {MAX_HEAD_DIM}: q/k have K={K}, v has V={V}")
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, T, HV):
-            raise ValueError(f"{name} must have shape [B, T, HV] = {[B, T, HV]}, got {list(x.shape)}")
-    if g_is_decay and values_checked(g) and g.numel() and bool((g > 0).any()):
-        raise ValueError("g is the log decay and must be <= 0 everywhere (g = -exp(A_log) * softplus(.)); "
-                         f"got max {g.max().item():.4g}")
-    if initial_state is not None:
-        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, K, V):
-            raise ValueError(f"initial_state must have shape [N, HV, K, V] = [N, {HV}, {K}, {V}], got "
-                             f"{list(initial_state.shape)}")
-        if not initial_state.is_floating_point():
-            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+    dims = check_rule_inputs(q, k, v, g, beta, initial_state, decay_per_channel=False, g_is_decay=g_is_decay,
+                             decay_meaning="g = -exp(A_log) * softplus(.)")
     if impl not in GDN_IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {GDN_IMPLS}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
-    return B, T, H, K, HV, V
+    check_chunk_size(chunk_size)
+    return dims

@@ -11,6 +11,7 @@ once (`ChunkFactors`), which is also what context parallelism overlaps with the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,18 +125,36 @@ def chunk_outputs(factors: ChunkFactors, chunk_states: torch.Tensor) -> torch.Te
     return o.transpose(1, 2)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, layout: ChunkLayout,
-                           initial_state: torch.Tensor | None):
-    """Flat packed inputs [total, HV, *] (q/k already expanded to HV heads).
+@dataclass(frozen=True)
+class ChunkRule:
+    """A delta rule's PyTorch chunk form as data: the gated delta rule's, or Kimi Delta Attention's
+    (ops/kda). Both keep a [K, V] state per head, so the chunk walk (`run_chunk_rule`), the
+    context-parallel hand-over, the summaries and their fold (cp.py) are the same."""
+    factors: Callable    # (q, k, v, g, beta, scale) chunked [n, C, HV, *] -> ChunkTransitions
+    outputs: Callable    # (factors, chunk states [n, HV, K, V]) -> [n, C, HV, V]
 
-    Returns (o [total, HV, V] in v's dtype, final states [N, HV, K, V] in the compute dtype).
-    """
+
+def run_chunk_rule(rule: ChunkRule, q, k, v, g, beta, scale: float, layout: ChunkLayout,
+                   initial_state: torch.Tensor | None):
+    """Flat packed inputs [total, HV, *] (q/k already expanded to HV heads), computed in fp32 for half
+    inputs (float64 for float64). Returns (o [total, HV, V] in v's dtype, final states [N, HV, K, V] in
+    the compute dtype)."""
     dtype = torch.promote_types(v.dtype, torch.float32)
     HV, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     q_c, k_c, v_c, g_c, beta_c = (layout.pad(x.to(dtype)) for x in (q, k, v, g, beta))
-    factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=scale)
+    factors = rule.factors(q_c, k_c, v_c, g_c, beta_c, scale)
     if initial_state is None:
         initial_state = torch.zeros(layout.num_docs, HV, K, V, dtype=dtype, device=v.device)
     chunk_states, final_state = chunk_recurrence(factors, layout, initial_state.to(dtype))
-    o = chunk_outputs(factors, chunk_states)
+    o = rule.outputs(factors, chunk_states)
     return layout.unpad(o).to(v.dtype), final_state
+
+
+GATED_DELTA_RULE = ChunkRule(chunk_factors, chunk_outputs)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, layout: ChunkLayout,
+                           initial_state: torch.Tensor | None):
+    """Flat packed inputs [total, HV, *] (q/k already expanded to HV heads; g [total, HV]): see
+    run_chunk_rule."""
+    return run_chunk_rule(GATED_DELTA_RULE, q, k, v, g, beta, scale, layout, initial_state)

@@ -21,9 +21,6 @@ The PyTorch path (`cp_chunked`) takes the chunk form as data (`ChunkRule`): Kimi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from gdn_kernels.chunk_layout import build_layout
 
@@ -31,20 +28,8 @@ from ...comm.context import CPContext, sequence_lengths
 from ...comm.p2p import StateRelay, all_gather, post_recv_from_prev, send_to_next, tie
 from ...config import CP_ALGORITHMS
 from ..triton_dispatch import imported_kernel
-from .chunk import ChunkTransitions, chunk_factors, chunk_outputs, chunk_recurrence
+from .chunk import GATED_DELTA_RULE, ChunkRule, ChunkTransitions, chunk_recurrence
 from .summary import fold_chunk_transitions
-
-
-@dataclass(frozen=True)
-class ChunkRule:
-    """A delta rule's PyTorch chunk form as the context-parallel path runs it: the gated delta rule's,
-    or Kimi Delta Attention's (ops/kda/cp.py). Both keep a [K, V] state per head, so the hand-over,
-    the summaries and their fold are the same."""
-    factors: Callable    # (q, k, v, g, beta, scale) chunked [n, C, HV, *] -> ChunkTransitions
-    outputs: Callable    # (factors, chunk states [n, HV, K, V]) -> [n, C, HV, V]
-
-
-GATED_DELTA_RULE = ChunkRule(chunk_factors, chunk_outputs)
 
 
 def check_cp_call(q, cu_seqlens, cp: CPContext, impl: str) -> None:

@@ -14,10 +14,10 @@ import torch
 from gdn_kernels.chunk_layout import build_layout
 
 from ...comm import CPContext
-from ...config import MAX_HEAD_DIM
 from ..gated_delta_rule import l2_normalize
 from ..gated_delta_rule.cp import check_cp_call
-from ..validation import check_cu_seqlens, values_checked
+from ..gated_delta_rule.inputs import check_chunk_size, check_rule_inputs, check_sequences, state_dtype
+from ..validation import check_cu_seqlens
 from .chunk import chunk_kda
 from .cp import cp_kimi_delta_attention
 from .gates import activate_kda_gates, check_kda_gate_args
@@ -59,7 +59,7 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
     if cp is not None:
         check_cp_call(q, cu_seqlens, cp, impl)
     else:
-        cu_seqlens = _check_sequences(cu_seqlens, initial_state, B, T)
+        cu_seqlens = check_sequences(cu_seqlens, initial_state, B, T)
     scale = K ** -0.5 if scale is None else scale
     g, beta = activate_kda_gates(g, beta, decay_params, beta_activation)
     if use_qk_l2norm:
@@ -78,7 +78,7 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
         o, final = chunk_kda(q_f, k_f, v_f, g_f, beta_f, scale=scale, layout=layout,
                              initial_state=initial_state)
         o = o.reshape(B, T, HV, V)
-    return o, (final.to(_state_dtype(v)) if output_final_state else None)
+    return o, (final.to(state_dtype(v)) if output_final_state else None)
 
 
 def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
@@ -97,65 +97,18 @@ def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
         k = k.repeat_interleave(HV // H, dim=2)
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     layout = build_layout(lengths, chunk_size, v.device)
-    dtype = _state_dtype(v)
+    dtype = state_dtype(v)
     k_f, v_f, g_f, beta_f = (x.reshape(B * T, *x.shape[2:]).to(dtype) for x in (k, v, g, beta))
     return document_summaries(k_f, v_f, g_f, beta_f, layout=layout)
 
 
-def _state_dtype(v: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(v.dtype, torch.float32)
-
-
-def _check_sequences(cu_seqlens, initial_state, batch: int, tokens: int):
-    cu_seqlens = check_cu_seqlens(cu_seqlens, batch, tokens)
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape[0] != num_seqs:
-        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_seqs} "
-                         f"sequences ({'documents in cu_seqlens' if cu_seqlens is not None else 'batch'}); "
-                         f"give one state per sequence")
-    return cu_seqlens
-
-
 def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size, g_is_decay=True):
-    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
-        if not isinstance(x, torch.Tensor) or x.dim() != rank:
-            hint = " (KDA's log decay has one value per key channel: [B, T, HV, K])" if name == "g" else ""
-            raise ValueError(f"{name} must be a {rank}-D tensor, got shape "
-                             f"{tuple(getattr(x, 'shape', ()))}{hint}")
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {x.dtype}")
-    if k.shape != q.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; they must match")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    B, T, H, K = q.shape
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"v has shape {tuple(v.shape)}; its batch and length must match q {tuple(q.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H:
-        raise ValueError(f"v has {HV} heads, not a multiple of the {H} heads of q/k (num_v_heads must be "
-                         f"a multiple of num_heads)")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"head dims must be <= {MAX_HEAD_DIM}: q/k have K={K}, v has V={V}")
-    if tuple(g.shape) != (B, T, HV, K):
-        raise ValueError(f"g must have shape [B, T, HV, K] = {[B, T, HV, K]} (a log decay per value head "
-                         f"and key channel), got {list(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must have shape [B, T, HV] = {[B, T, HV]}, got {list(beta.shape)}")
-    if g_is_decay and values_checked(g) and g.numel() and bool((g > 0).any()):
-        raise ValueError("g is the log decay and must be <= 0 everywhere (alpha = exp(g) in (0, 1]); "
-                         f"got max {g.max().item():.4g}")
-    if initial_state is not None:
-        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, K, V):
-            raise ValueError(f"initial_state must have shape [N, HV, K, V] = [N, {HV}, {K}, {V}], got "
-                             f"{list(initial_state.shape)}")
-        if not initial_state.is_floating_point():
-            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+    dims = check_rule_inputs(q, k, v, g, beta, initial_state, decay_per_channel=True, g_is_decay=g_is_decay,
+                             decay_meaning="alpha = exp(g) in (0, 1]")
     if impl == "triton":
         raise ValueError("impl='triton': there are no Triton kernels for KDA yet; use impl='chunk' "
                          "(or 'auto')")
     if impl not in KDA_IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {KDA_IMPLS}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
-    return B, T, H, K, HV, V
+    check_chunk_size(chunk_size)
+    return dims

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from gdn_kernels.chunk_layout import ChunkLayout
 
-from ..gated_delta_rule.chunk import chunk_recurrence
+from ..gated_delta_rule.chunk import ChunkRule, run_chunk_rule
 
 BLOCK = 16  # tokens per diagonal block of the decayed products
 
@@ -127,18 +127,10 @@ def chunk_outputs(factors: KDAChunkFactors, chunk_states: torch.Tensor) -> torch
     return o.transpose(1, 2)
 
 
-def chunk_kda(q, k, v, g, beta, scale: float, layout: ChunkLayout, initial_state: torch.Tensor | None):
-    """Flat packed inputs [total, HV, *] (q/k already expanded to HV heads; g [total, HV, K]).
+KIMI_DELTA_ATTENTION = ChunkRule(chunk_factors, chunk_outputs)
 
-    Computes in fp32 for half inputs (float64 for float64). Returns (o [total, HV, V] in v's dtype,
-    final states [N, HV, K, V] in the compute dtype).
-    """
-    dtype = torch.promote_types(v.dtype, torch.float32)
-    HV, K, V = v.shape[1], k.shape[-1], v.shape[-1]
-    q_c, k_c, v_c, g_c, beta_c = (layout.pad(x.to(dtype)) for x in (q, k, v, g, beta))
-    factors = chunk_factors(q_c, k_c, v_c, g_c, beta_c, scale=scale)
-    if initial_state is None:
-        initial_state = torch.zeros(layout.num_docs, HV, K, V, dtype=dtype, device=v.device)
-    chunk_states, final_state = chunk_recurrence(factors, layout, initial_state.to(dtype))
-    o = chunk_outputs(factors, chunk_states)
-    return layout.unpad(o).to(v.dtype), final_state
+
+def chunk_kda(q, k, v, g, beta, scale: float, layout: ChunkLayout, initial_state: torch.Tensor | None):
+    """Flat packed inputs [total, HV, *] (q/k already expanded to HV heads; g [total, HV, K]): the
+    gated delta rule's chunk walk (run_chunk_rule) with KDA's factors."""
+    return run_chunk_rule(KIMI_DELTA_ATTENTION, q, k, v, g, beta, scale, layout, initial_state)

@@ -8,10 +8,8 @@ from __future__ import annotations
 import torch
 
 from ...comm.context import CPContext
-from ..gated_delta_rule.cp import ChunkRule, cp_chunked
-from .chunk import chunk_factors, chunk_outputs
-
-KIMI_DELTA_ATTENTION = ChunkRule(chunk_factors, chunk_outputs)
+from ..gated_delta_rule.cp import cp_chunked
+from .chunk import KIMI_DELTA_ATTENTION
 
 
 def cp_kimi_delta_attention(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_size: int,
