@@ -126,6 +126,28 @@ _SEED_RULE = Rule(lambda value: -2 ** 63 <= value < 2 ** 64,
                   "must be an integer in [-2**63, 2**64) (what torch.manual_seed takes)")
 
 
+def _check_delta_rule_heads(prefix: str, num_heads: int, num_v_heads: int, head_dim: int, expand_v: float,
+                            head_v_dim: int, limit_note: str) -> None:
+    """The head rules GDN (model.gdn_*) and KDA (model.kda_*) share: grouped value heads, a whole value
+    head of at most MAX_HEAD_DIM."""
+    if num_v_heads % num_heads:
+        raise ConfigError(
+            f"model.{prefix}_num_v_heads={num_v_heads} must be a multiple of model.{prefix}_num_heads="
+            f"{num_heads} (grouped value heads share q/k heads)")
+    value_head = head_dim * expand_v
+    if value_head != head_v_dim or head_v_dim < 1:
+        raise ConfigError(f"model.{prefix}_expand_v={expand_v} gives a value head of "
+                          f"model.{prefix}_head_dim * {prefix}_expand_v = {value_head}; choose "
+                          f"{prefix}_expand_v so that this is a whole number >= 1")
+    if head_dim > MAX_HEAD_DIM:
+        raise ConfigError(f"model.{prefix}_head_dim={head_dim} must be <= {MAX_HEAD_DIM}{limit_note}; use "
+                          f"more heads of at most {MAX_HEAD_DIM}")
+    if head_v_dim > MAX_HEAD_DIM:
+        raise ConfigError(f"model.{prefix}_expand_v={expand_v} gives a value head of "
+                          f"model.{prefix}_head_dim * {prefix}_expand_v = {head_v_dim} > {MAX_HEAD_DIM}"
+                          f"{limit_note}; lower {prefix}_expand_v or {prefix}_head_dim")
+
+
 @dataclass
 class ModelConfig:
     """The model: model.n_layers blocks of Gated DeltaNet and attention layers (model.layer_pattern),
@@ -267,24 +289,10 @@ class ModelConfig:
                 f"model.layer_pattern={self.layer_pattern!r} (length {len(self.layer_pattern)}) neither "
                 f"has model.n_layers={self.n_layers} symbols nor tiles it; give a pattern whose length "
                 f"divides n_layers or one symbol per layer")
-        if self.num_v_heads % self.gdn_num_heads:
-            raise ConfigError(
-                f"model.gdn_num_v_heads={self.num_v_heads} must be a multiple of model.gdn_num_heads="
-                f"{self.gdn_num_heads} (grouped value heads share q/k heads)")
-        value_head = self.gdn_head_dim * self.gdn_expand_v
-        if value_head != self.head_v_dim or self.head_v_dim < 1:
-            raise ConfigError(f"model.gdn_expand_v={self.gdn_expand_v} gives a value head of "
-                              f"model.gdn_head_dim * gdn_expand_v = {value_head}; choose gdn_expand_v so "
-                              f"that this is a whole number >= 1")
-        max_head_dim = MAX_HEAD_DIM
-        if self.gdn_head_dim > max_head_dim:
-            raise ConfigError(f"model.gdn_head_dim={self.gdn_head_dim} must be <= {max_head_dim} (kernel "
-                              f"limit); use more heads of at most {max_head_dim}")
-        if self.head_v_dim > max_head_dim:
-            raise ConfigError(f"model.gdn_expand_v={self.gdn_expand_v} gives a value head of "
-                              f"model.gdn_head_dim * gdn_expand_v = {self.head_v_dim} > {max_head_dim} "
-                              f"(kernel limit); lower gdn_expand_v or gdn_head_dim")
-        self._check_kda()
+        _check_delta_rule_heads("gdn", self.gdn_num_heads, self.num_v_heads, self.gdn_head_dim,
+                                self.gdn_expand_v, self.head_v_dim, limit_note=" (kernel limit)")
+        _check_delta_rule_heads("kda", self.kda_num_heads, self.kda_v_heads, self.kda_head_dim,
+                                self.kda_expand_v, self.kda_head_v_dim, limit_note="")
         if self.attn_head_dim is None and self.hidden_size % self.attn_num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.attn_num_heads="
@@ -310,24 +318,6 @@ class ModelConfig:
             raise ConfigError(f"model.hidden_ratio={self.hidden_ratio} gives an MLP width of 0 at "
                               f"model.hidden_size={self.hidden_size}; raise it or set "
                               f"model.intermediate_size")
-
-    def _check_kda(self) -> None:
-        if self.kda_v_heads % self.kda_num_heads:
-            raise ConfigError(
-                f"model.kda_num_v_heads={self.kda_v_heads} must be a multiple of model.kda_num_heads="
-                f"{self.kda_num_heads} (grouped value heads share q/k heads)")
-        value_head = self.kda_head_dim * self.kda_expand_v
-        if value_head != self.kda_head_v_dim or self.kda_head_v_dim < 1:
-            raise ConfigError(f"model.kda_expand_v={self.kda_expand_v} gives a value head of "
-                              f"model.kda_head_dim * kda_expand_v = {value_head}; choose kda_expand_v so "
-                              f"that this is a whole number >= 1")
-        if self.kda_head_dim > MAX_HEAD_DIM:
-            raise ConfigError(f"model.kda_head_dim={self.kda_head_dim} must be <= {MAX_HEAD_DIM}; use more "
-                              f"heads of at most {MAX_HEAD_DIM}")
-        if self.kda_head_v_dim > MAX_HEAD_DIM:
-            raise ConfigError(f"model.kda_expand_v={self.kda_expand_v} gives a value head of "
-                              f"model.kda_head_dim * kda_expand_v = {self.kda_head_v_dim} > {MAX_HEAD_DIM}; "
-                              f"lower kda_expand_v or kda_head_dim")
 
 
 @dataclass
