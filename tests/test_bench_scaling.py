@@ -37,6 +37,21 @@ def test_efficiency_is_per_gpu_against_the_dimensions_one_gpu_run():
 def test_steps_must_outlast_the_skipped_ones():
     with pytest.raises(SystemExit):
         bench_scaling.parse_args(["--steps", "3", "--skip", "3"])
+    with pytest.raises(SystemExit):   # logging every 10 steps: the interval after step 4 starts at 10
+        bench_scaling.parse_args(["--steps", "10", "--skip", "4", "--log-every", "10"])
+    assert bench_scaling.parse_args(["--steps", "11", "--skip", "4"]).log_every == 10
+
+
+def test_speed_is_the_median_of_the_intervals_after_the_skipped_steps(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": 9, "interval_steps": 10, "tokens_per_s": 10.0, "loss": 9.0},    # holds steps 0-9
+               {"step": 19, "interval_steps": 10, "tokens_per_s": 100.0, "loss": 5.0},
+               {"step": 29, "interval_steps": 10, "tokens_per_s": 120.0, "loss": 4.0},
+               {"step": 39, "interval_steps": 10, "tokens_per_s": 90.0, "loss": 3.0}]
+    metrics.write_text("\n".join(json.dumps(r) for r in records))
+    speed = bench_scaling._speed(metrics, skip=4)
+    assert speed["tokens_per_s"] == 100.0 and speed["steps_measured"] == 30 and speed["intervals"] == 3
+    assert speed["first_loss"] == 9.0 and speed["loss_fell"]
 
 
 @pytest.mark.integration

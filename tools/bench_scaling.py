@@ -6,8 +6,10 @@
 
 Each row is one run of the real job (`python3 -m gdn_parallel.train` under torchrun, also for one GPU)
 at a config of configs/, on the config's data, for `--steps` steps, with its own metrics.jsonl read back.
-Its speed is the median of the trainer's own tokens/s over the steps after `--skip` (compilation and the
-first steps left out).
+Its speed is the median of the trainer's own tokens/s over its logging intervals (`--log-every` steps,
+10 as in the configs) that start after `--skip` (compilation and the first steps left out). A log line
+reads the device: logging every step would make the host wait for the GPU at every step, and a
+host-bound run (tensor parallelism's halved kernels) would lose what it gains by running ahead.
 
 Efficiency = tokens/s per GPU at n GPUs / tokens/s of the one-GPU run of the same dimension, all in one
 call of this tool (the same machine, the same software). Each dimension keeps each GPU's work as its
@@ -74,11 +76,13 @@ SMOKE = {
 }
 
 
-def run_command(n: int, config: str, sets: list[str], out_dir: Path, steps: int) -> list[str]:
+def run_command(n: int, config: str, sets: list[str], out_dir: Path, steps: int,
+                log_every: int = 10) -> list[str]:
     """The trainer's command line for one row: under torchrun also for one GPU, so that every row runs
     in the same environment (torchrun sets each worker's CPU threads)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-    common = [f"train.steps={steps}", "train.log_every=1", f"train.warmup_steps={min(2, steps - 1)}",
+    common = [f"train.steps={steps}", f"train.log_every={log_every}",
+              f"train.warmup_steps={min(2, steps - 1)}",
               f"train.out_dir={out_dir}", "checkpoint.enabled=false", "train.eval_every=0"]
     return [*launcher, "-m", "gdn_parallel.train", "--config", config,
             *[arg for item in [*sets, *common] for arg in ("--set", item)]]
@@ -87,7 +91,7 @@ def run_command(n: int, config: str, sets: list[str], out_dir: Path, steps: int)
 def measure_row(dim: Dimension, n: int, args, extra_sets: list[str]) -> dict:
     """One run: its command, status, and the median tokens/s of its steps after --skip."""
     out_dir = args.out / "runs" / f"{dim.name}_{n}"
-    command = run_command(n, dim.config, [*dim.settings(n), *extra_sets], out_dir, args.steps)
+    command = run_command(n, dim.config, [*dim.settings(n), *extra_sets], out_dir, args.steps, args.log_every)
     log = args.out / f"{dim.name}_{n}.log"
     start = time.perf_counter()
     with open(log, "w") as handle:
@@ -109,18 +113,20 @@ def _environment() -> dict:
 
 
 def _speed(metrics: Path, skip: int) -> dict:
-    """Median tokens/s and MFU of the step records after `skip`, and whether the loss fell."""
+    """Median tokens/s and MFU of the logging intervals that start at or after step `skip`, and whether
+    the loss fell."""
     records = []
     if metrics.is_file():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "tokens_per_s" in r and r.get("interval_steps", 1) == 1]
-    steady = [r for r in steps if r["step"] >= skip]
+    steps = [r for r in records if "tokens_per_s" in r]
+    steady = [r for r in steps if r["step"] - r.get("interval_steps", 1) + 1 >= skip]
     if not steady:
         return {"tokens_per_s": None, "steps_measured": 0, "loss_fell": None}
     losses = [r["loss"] for r in steps]
     mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-            "mfu": statistics.median(mfu) if mfu else None, "steps_measured": len(steady),
+            "mfu": statistics.median(mfu) if mfu else None,
+            "steps_measured": sum(r.get("interval_steps", 1) for r in steady), "intervals": len(steady),
             "first_loss": losses[0], "last_loss": losses[-1], "loss_fell": losses[-1] < losses[0],
             "peak_mem_mib": max((r.get("mem_mib") or 0) for r in steady)}
 
@@ -190,6 +196,9 @@ def parse_args(argv=None):
                                                       "the GPUs present; always with 1, the baseline)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the median (compilation)")
+    parser.add_argument("--log-every", type=int, default=None,
+                        help="the trainer's logging interval, whose tokens/s are the medians' samples "
+                             "(default: 10 as in the configs; 1 with --smoke)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="FIELD=VALUE",
                         help="a setting for every run, e.g. data.source=DIR")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per run")
@@ -198,8 +207,14 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/bench_scaling")))
     parser.add_argument("--smoke", action="store_true", help="CPU gloo, the tiny config, 1 and 2 processes")
     args = parser.parse_args(argv)
-    if args.steps <= args.skip:
-        parser.error(f"--steps {args.steps} leaves no step after --skip {args.skip}: raise --steps")
+    if args.log_every is None:
+        args.log_every = 1 if args.smoke else 10
+    if args.log_every < 1:
+        parser.error(f"--log-every {args.log_every}: give a positive number of steps")
+    first_measured = -(-args.skip // args.log_every) * args.log_every   # the first interval after --skip
+    if args.steps <= first_measured:
+        parser.error(f"--steps {args.steps} leaves no logging interval (every {args.log_every} steps) that "
+                     f"starts after --skip {args.skip}: raise --steps above {first_measured}")
     return args
 
 
@@ -240,6 +255,7 @@ def write_report(rows: list[dict], args, table_of: dict, names: list[str]) -> di
     """scaling.json with the rows so far, their efficiencies (in place) and the table."""
     efficiencies(rows)
     report = {"device": device_name(), "smoke": args.smoke, "steps": args.steps, "skip": args.skip,
+              "log_every": args.log_every,
               "settings": args.extra, "dimensions": {n: table_of[n].meaning for n in names}, "rows": rows,
               "table": table(rows)}
     (args.out / "scaling.json").write_text(json.dumps(report, indent=1))

@@ -8,6 +8,7 @@
 #   bash tools/gpu_acceptance.sh scaling   (tools/bench_scaling.py: dp, cp, cp-allgather, tp at 1, 2, 4 GPUs;
 #                                           scaling_profile: 1 and 2 GPUs with a profiled step, every rank's trace)
 #   bash tools/gpu_acceptance.sh hybrids   (2 GPUs: gdn-verify bf16 of configs/qwen3next-1.3b and kimi-1.3b)
+#   bash tools/gpu_acceptance.sh nodes     (tools/bench_nodes.py: 2 simulated nodes, NCCL over sockets or not)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
 #                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
@@ -117,6 +118,15 @@ if [[ " $parts " == *" scaling_profile "* ]]; then
         tar czf "$out/profile_$run.tgz" -C "$profile" . && rm -r "$profile"
     done
     grep -A9 "^| dimension" "$out/scaling_profile.log"
+fi
+# Several nodes simulated on one host (issue 42): one torchrun agent a node, NCCL over the machine's links
+# and over TCP sockets; 2 x 1 on 2 GPUs, 2 x 2 on 4.
+if [[ " $parts " == *" nodes "* ]]; then
+    per_node=$(( $(nvidia-smi -L | wc -l) >= 4 ? 2 : 1 ))
+    step nodes 590 python3 tools/bench_nodes.py --gpus-per-node "$per_node" --steps 30 --skip 10 \
+        --timeout-s 150 --budget-s 420 --out "$out/nodes"
+    find "$out/nodes/runs" -name 'trace_rank*.json' -delete   # the byte counts are in nodes.json
+    grep -A12 "^| layout" "$out/nodes.log"
 fi
 # The seeds' other hybrids (issue 43) on 2 GPUs: gdn-verify in bf16 at their widths (4 layers, 8K tokens)
 # over every default layout, and full attention's zigzag split under cp 2.
