@@ -187,9 +187,10 @@ class ModelConfig:
         False, "KDA beta in (0, 2) instead of (0, 1): the state transition may have negative eigenvalues")
     kda_chunk_size: int = setting(64, "the tokens per chunk of the chunked KDA algorithm, e.g. 64",
                                   rule=Rule(_power_of_two, "must be a power of two"))
-    kda_impl: str = setting("auto", "the KDA op: auto (chunk, on CUDA too: KDA has no Triton kernels yet), "
-                                    "naive (token by token) or chunk (chunked PyTorch)",
-                            choices=("auto", "naive", "chunk"))
+    kda_impl: str = setting("auto", "the KDA op: auto (triton on CUDA, chunk elsewhere), naive (token by "
+                                    "token), chunk (chunked PyTorch) or triton (the Triton kernels; chunk "
+                                    "under context parallelism)",
+                            choices=("auto", "naive", "chunk", "triton"))
     conv_size: int = setting(
         4, "the short-convolution width of GDN and KDA layers (the fused kernel unrolls every tap), e.g. 4",
         rule=_within(1, MAX_CONV_SIZE))

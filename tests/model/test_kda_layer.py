@@ -98,12 +98,12 @@ def test_the_sigmoid_gated_norm_and_its_refusal():
 
 
 def test_the_config_offers_the_implementations_the_op_has():
-    """No Triton kernels for KDA yet: the config and the op both refuse impl='triton'."""
+    """The config's choices are the op's, and an implementation the op lacks is refused by name."""
     field = next(f for f in ModelConfig.__dataclass_fields__.values() if f.name == "kda_impl")
-    assert field.metadata["choices"] == KDA_IMPLS and "triton" not in KDA_IMPLS
+    assert field.metadata["choices"] == KDA_IMPLS and "triton" in KDA_IMPLS
     q = torch.randn(1, 4, 1, 8)
-    with pytest.raises(ValueError, match="no Triton kernels for KDA yet; use impl='chunk'"):
-        kimi_delta_attention(q, q, q, -torch.rand(1, 4, 1, 8), torch.rand(1, 4, 1), impl="triton")
+    with pytest.raises(ValueError, match="impl='fused' is not one of"):
+        kimi_delta_attention(q, q, q, -torch.rand(1, 4, 1, 8), torch.rand(1, 4, 1), impl="fused")
 
 
 def test_a_model_of_kda_layers_trains():

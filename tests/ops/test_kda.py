@@ -237,7 +237,7 @@ def test_default_scale_and_no_final_state():
     (lambda x: {**x, "g": x["g"][..., :2]}, r"g must have shape \[B, T, HV, K\]"),
     (lambda x: {**x, "g": x["g"].abs() + 0.1}, "g is the log decay"),
     (lambda x: {**x, "beta": x["beta"][..., None]}, "beta must be a 3-D tensor"),
-    (lambda x: {**x, "impl": "triton"}, "no Triton kernels for KDA"),
+    (lambda x: {**x, "impl": "fused"}, "impl='fused' is not one of"),
     (lambda x: {**x, "impl": "fast"}, "impl='fast' is not one of"),
     (lambda x: {**x, "initial_state": x["initial_state"][:1], "cu_seqlens": torch.tensor([0, 3, 8])},
      "initial_state has 1 states but there are 2"),

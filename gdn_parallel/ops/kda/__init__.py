@@ -6,7 +6,8 @@ with g_t in R^K (<= 0) per value head and token. The state is [K, V] per head, a
 rule's (docs/design.md §1), which is KDA with g equal across the channels. One public function per
 op, with its oracle (`naive`) beside the PyTorch chunked form (`chunk`) and the context-parallel form
 (cp.py: the gated delta rule's state relay and summary all-gather, docs/design.md §2); the segment
-summary is what a rank exchanges under the all-gather. No Triton kernels yet.
+summary is what a rank exchanges under the all-gather. impl="triton" runs the Triton chunk kernels
+(gdn_kernels.kda) without context parallelism; under CP the PyTorch chunk form runs.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ...comm import CPContext
 from ..gated_delta_rule import l2_normalize
 from ..gated_delta_rule.cp import check_cp_call
 from ..gated_delta_rule.inputs import check_chunk_size, check_rule_inputs, check_sequences, state_dtype
+from ..triton_dispatch import auto_uses_triton, check_triton_input
 from ..validation import check_cu_seqlens
 from .chunk import chunk_kda
 from .cp import cp_kimi_delta_attention
@@ -26,7 +28,7 @@ from .summary import document_summaries
 
 __all__ = ["kimi_delta_attention", "summarize_segment", "KDA_IMPLS"]
 
-KDA_IMPLS = ("auto", "naive", "chunk")
+KDA_IMPLS = ("auto", "naive", "chunk", "triton")
 
 
 def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
@@ -40,9 +42,10 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
     j // (HV // H)); g (log decay per key channel, <= 0): [B, T, HV, K]; beta: [B, T, HV];
     initial_state: [N, HV, K, V] with N = B, or the number of documents when `cu_seqlens` [N + 1]
     describes a packed row (B = 1; the state restarts at each document). scale defaults to K^-1/2.
-    impl: "naive" (the float64 token loop), "chunk" (PyTorch, chunks of `chunk_size`) or "auto"
-    (chunk). Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 (float64 for
-    float64 inputs) or None).
+    impl: "naive" (the float64 token loop), "chunk" (PyTorch, chunks of `chunk_size`), "triton" (the
+    Triton kernels: CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32/fp16/bf16, chunks of 64) or
+    "auto" (triton for CUDA tensors of those dtypes, else chunk). Returns (o [B, T, HV, V] in v's
+    dtype, final_state [N, HV, K, V] fp32 (float64 for float64 inputs) or None).
 
     Context parallelism: with `cp` (the row's plan, `gdn_parallel.comm.CPContext`; give no
     `cu_seqlens`) the tensors are this rank's contiguous slice of one packed row, as for
@@ -64,9 +67,12 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
     g, beta = activate_kda_gates(g, beta, decay_params, beta_activation)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
+    impl = _resolve_impl(impl, v)
+    if impl == "triton" and cp is None:  # the kernels read grouped q/k heads in place
+        return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    if cp is not None:
+    if cp is not None:  # the PyTorch chunk form, whatever the impl (the kernels have no CP path yet)
         return cp_kimi_delta_attention(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
                                        initial_state=initial_state, output_final_state=output_final_state)
     if impl == "naive":
@@ -102,12 +108,27 @@ def summarize_segment(k, v, g, beta, *, cu_seqlens: torch.Tensor | None = None,
     return document_summaries(k_f, v_f, g_f, beta_f, layout=layout)
 
 
+def _resolve_impl(impl: str, x: torch.Tensor) -> str:
+    if impl != "auto":
+        return impl
+    return "triton" if auto_uses_triton(x, "kda") else "chunk"
+
+
+def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    """q, k normalised by the caller, grouped heads not expanded; g and beta activated."""
+    kernels = check_triton_input(v, "kda", "chunk")
+    if chunk_size != kernels.CHUNK:
+        raise ValueError(f"impl='triton' runs chunks of {kernels.CHUNK} tokens, got chunk_size={chunk_size}; "
+                         f"leave chunk_size at its default or use impl='chunk'")
+    o, final = kernels.triton_kimi_delta_attention(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                   output_final_state=output_final_state,
+                                                   cu_seqlens=cu_seqlens)
+    return o, (final.to(state_dtype(v)) if output_final_state else None)
+
+
 def _check_inputs(q, k, v, g, beta, initial_state, impl, chunk_size, g_is_decay=True):
     dims = check_rule_inputs(q, k, v, g, beta, initial_state, decay_per_channel=True, g_is_decay=g_is_decay,
                              decay_meaning="alpha = exp(g) in (0, 1]")
-    if impl == "triton":
-        raise ValueError("impl='triton': there are no Triton kernels for KDA yet; use impl='chunk' "
-                         "(or 'auto')")
     if impl not in KDA_IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {KDA_IMPLS}")
     check_chunk_size(chunk_size)

@@ -1,0 +1,214 @@
+"""Pieces shared by the KDA forward and backward kernels: decayed products on 16-token blocks.
+
+Layout as in gated_delta_rule/common.py (whose loaders these build on): buffers are token-major and
+chunk-aligned, [Tp, heads, D] with every chunk inside one document; the caller's tensors stay unpadded
+and are read through the chunk table (`chunk_tokens`), rows past a chunk's real tokens reading zero.
+`cum` is the fp32 cumulative log decay from each chunk's start, G, [Tp, HV, K]: one value per token,
+value head and key channel.
+
+A chunk's decayed products (docs/kernels.md, "Kimi Delta Attention"):
+
+    P(X)_ij = sum_c X_ic K_jc exp(G_ic - G_jc)        (j <= i; 0 above the diagonal)
+
+are built and differentiated in 16 x 16 blocks, so that no exponent is ever positive (exp(-G) alone
+overflows once a channel forgets: g = -5 over 64 tokens is exp(320)). Block (a, b) below the
+diagonal factors through the decay at the end of block a - 1, `ref`:
+
+    exp(G_ic - G_jc) = exp(G_ic - ref_c) exp(ref_c - G_jc),    both factors <= 1 (i >= ref >= j),
+
+one matrix product of decayed rows. A diagonal block has no such split without a positive factor: it
+is summed one column (or row) at a time over the channels, each exponent masked to -inf above the
+diagonal before exp.
+"""
+import triton
+import triton.language as tl
+
+from ..gated_delta_rule.common import (
+    _block_inverse,  # the GDN package's exact 16 x 16 forward substitution, reused as is
+    _store_block_row,
+    load_rows,
+    load_token_rows,
+)
+
+
+@triton.jit
+def load_row(ptr, row, head, num_heads: tl.constexpr, width: tl.constexpr, BD: tl.constexpr):
+    """[BD] row `row` of one head of a [rows, heads, width] buffer, zeros past `width`."""
+    cols = tl.arange(0, BD)
+    return tl.load(ptr + (row.to(tl.int64) * num_heads + head) * width + cols, mask=cols < width, other=0.)
+
+
+@triton.jit
+def load_block_beta(beta, src0, real, hv, HV: tl.constexpr, R: tl.constexpr):
+    """beta of R tokens from the caller's [tokens, HV], fp32, zero past `real` (padding keeps the state)."""
+    i = tl.arange(0, R)
+    return tl.load(beta + (src0 + i) * HV + hv, mask=i < real, other=0.).to(tl.float32)
+
+
+@triton.jit
+def diagonal_block_pair(q, k, cum, src0, real, row0, a, qk_head, hv, H: tl.constexpr, HV: tl.constexpr,
+                        K: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr):
+    """Diagonal block (a, a) of P(Q) and P(K) of the chunk starting at padded row row0 (caller rows
+    src0.., `real` real tokens): two [16, 16] fp32 tiles, P(Q) with its diagonal, P(K) strictly lower
+    (all that A = strictLower(diag(beta) P(K)) reads). Summed over the channels KC at a time, as
+    [16, 16, KC] tiles."""
+    ra = 16 * a
+    i = tl.arange(0, 16)
+    p_q = tl.zeros([16, 16], dtype=tl.float32)
+    p_k = tl.zeros([16, 16], dtype=tl.float32)
+    causal = (i[:, None] >= i[None, :])[:, :, None]
+    for c0 in tl.range(0, BK, KC):
+        q_a = load_token_rows(q, src0 + ra, real - ra, qk_head, H, K, 16, KC, c0).to(tl.float32)
+        k_a = load_token_rows(k, src0 + ra, real - ra, qk_head, H, K, 16, KC, c0).to(tl.float32)
+        g_a = load_rows(cum, row0 + ra, hv, HV, K, 16, KC, c0)
+        decay = tl.exp(tl.where(causal, g_a[:, None, :] - g_a[None, :, :], float("-inf")))
+        k_decayed = k_a[None, :, :] * decay                                  # [i, j, c]
+        p_q += tl.sum(q_a[:, None, :] * k_decayed, axis=2)
+        p_k += tl.sum(k_a[:, None, :] * k_decayed, axis=2)
+    return p_q, tl.where(i[:, None] > i[None, :], p_k, 0.)
+
+
+@triton.jit
+def off_diagonal_block_pair(q, k, cum, src0, real, row0, a, b, qk_head, hv, H: tl.constexpr,
+                            HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Block (a, b), a > b, of P(Q) and P(K): one product of decayed rows each, through the decay at
+    the end of block a - 1."""
+    ra, rb = 16 * a, 16 * b
+    q_a = load_token_rows(q, src0 + ra, real - ra, qk_head, H, K, 16, BK).to(tl.float32)
+    k_a = load_token_rows(k, src0 + ra, real - ra, qk_head, H, K, 16, BK).to(tl.float32)
+    g_a = load_rows(cum, row0 + ra, hv, HV, K, 16, BK)
+    ref = load_row(cum, row0 + ra - 1, hv, HV, K, BK)
+    k_b = load_token_rows(k, src0 + rb, real - rb, qk_head, H, K, 16, BK).to(tl.float32)
+    g_b = load_rows(cum, row0 + rb, hv, HV, K, 16, BK)
+    k_b_decayed = (k_b * tl.exp(ref[None, :] - g_b)).to(k.dtype.element_ty)
+    from_ref = tl.exp(g_a - ref[None, :])
+    p_q = tl.dot((q_a * from_ref).to(q.dtype.element_ty), tl.trans(k_b_decayed))
+    p_k = tl.dot((k_a * from_ref).to(k.dtype.element_ty), tl.trans(k_b_decayed))
+    return p_q, p_k
+
+
+@triton.jit
+def row_block_grads(dpq, dpk, k, cum, src0, real, row0, r: tl.constexpr, qk_head, hv, H: tl.constexpr,
+                    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr):
+    """Rows 16r.. of dX_ic = sum_{j <= i} dP_ij K_jc exp(G_ic - G_jc), the gradient of P(X) through
+    its left factor, for dP = dP(Q) and dP(K) ([Tp, HV, C] fp32, lower). Two [16, BK] fp32 tiles.
+    The diagonal block takes JG columns j at a time, as [16, JG, BK] tiles."""
+    NB: tl.constexpr = C // 16
+    tl.static_assert(r < NB)
+    rr: tl.constexpr = 16 * r
+    i = tl.arange(0, 16)
+    g_r = load_rows(cum, row0 + rr, hv, HV, K, 16, BK)
+    acc_q = tl.zeros([16, BK], dtype=tl.float32)
+    acc_k = tl.zeros([16, BK], dtype=tl.float32)
+    if r > 0:
+        ref = load_row(cum, row0 + rr - 1, hv, HV, K, BK)
+        for b in tl.static_range(r):
+            k_b = load_token_rows(k, src0 + 16 * b, real - 16 * b, qk_head, H, K, 16, BK).to(tl.float32)
+            g_b = load_rows(cum, row0 + 16 * b, hv, HV, K, 16, BK)
+            k_b_decayed = (k_b * tl.exp(ref[None, :] - g_b)).to(k.dtype.element_ty)
+            dp_q = load_rows(dpq, row0 + rr, hv, HV, C, 16, 16, 16 * b).to(k.dtype.element_ty)
+            dp_k = load_rows(dpk, row0 + rr, hv, HV, C, 16, 16, 16 * b).to(k.dtype.element_ty)
+            acc_q += tl.dot(dp_q, k_b_decayed)
+            acc_k += tl.dot(dp_k, k_b_decayed)
+        from_ref = tl.exp(g_r - ref[None, :])
+        acc_q *= from_ref
+        acc_k *= from_ref
+    jj = tl.arange(0, JG)
+    for j0 in tl.range(0, 16, JG):
+        k_j = load_token_rows(k, src0 + rr + j0, real - rr - j0, qk_head, H, K, JG, BK).to(tl.float32)
+        g_j = load_rows(cum, row0 + rr + j0, hv, HV, K, JG, BK)
+        causal = (i[:, None] >= j0 + jj[None, :])[:, :, None]
+        exponent = tl.where(causal, g_r[:, None, :] - g_j[None, :, :], float("-inf"))         # [i, j, c]
+        k_decayed = k_j[None, :, :] * tl.exp(exponent)
+        # (names apart from the products' above: a loop may not change a variable's shape)
+        dp_q_cols = load_rows(dpq, row0 + rr, hv, HV, C, 16, JG, rr + j0)              # [i, j]
+        dp_k_cols = load_rows(dpk, row0 + rr, hv, HV, C, 16, JG, rr + j0)
+        acc_q += tl.sum(dp_q_cols[:, :, None] * k_decayed, axis=1)
+        acc_k += tl.sum(dp_k_cols[:, :, None] * k_decayed, axis=1)
+    return acc_q, acc_k
+
+
+@triton.jit
+def column_block_grads(dpq, dpk, q, k, cum, src0, real, row0, r: tl.constexpr, qk_head, hv,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                       JG: tl.constexpr):
+    """Rows 16r.. of dK_jc = sum_{i >= j} dP_ij X_ic exp(G_ic - G_jc), the gradient of P(X) through
+    its right factor, for (dP(Q), X = Q) and (dP(K), X = K). Two [16, BK] fp32 tiles. The blocks
+    below factor through the decay at the end of block r; the diagonal block takes JG rows i at a
+    time, as [JG, 16, BK] tiles."""
+    NB: tl.constexpr = C // 16
+    tl.static_assert(r < NB)
+    rr: tl.constexpr = 16 * r
+    j = tl.arange(0, 16)
+    g_r = load_rows(cum, row0 + rr, hv, HV, K, 16, BK)
+    acc_q = tl.zeros([16, BK], dtype=tl.float32)
+    acc_k = tl.zeros([16, BK], dtype=tl.float32)
+    if r < NB - 1:
+        ref = load_row(cum, row0 + rr + 15, hv, HV, K, BK)
+        for a in tl.static_range(r + 1, NB):
+            from_ref = tl.exp(load_rows(cum, row0 + 16 * a, hv, HV, K, 16, BK) - ref[None, :])
+            q_a = load_token_rows(q, src0 + 16 * a, real - 16 * a, qk_head, H, K, 16, BK).to(tl.float32)
+            k_a = load_token_rows(k, src0 + 16 * a, real - 16 * a, qk_head, H, K, 16, BK).to(tl.float32)
+            dp_q = load_rows(dpq, row0 + 16 * a, hv, HV, C, 16, 16, rr).to(k.dtype.element_ty)
+            dp_k = load_rows(dpk, row0 + 16 * a, hv, HV, C, 16, 16, rr).to(k.dtype.element_ty)
+            acc_q += tl.dot(tl.trans(dp_q), (q_a * from_ref).to(q.dtype.element_ty))
+            acc_k += tl.dot(tl.trans(dp_k), (k_a * from_ref).to(k.dtype.element_ty))
+        to_ref = tl.exp(ref[None, :] - g_r)
+        acc_q *= to_ref
+        acc_k *= to_ref
+    ii = tl.arange(0, JG)
+    for i0 in tl.range(0, 16, JG):
+        q_i = load_token_rows(q, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
+        k_i = load_token_rows(k, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
+        g_i = load_rows(cum, row0 + rr + i0, hv, HV, K, JG, BK)
+        causal = (i0 + ii[:, None] >= j[None, :])[:, :, None]
+        decay = tl.exp(tl.where(causal, g_i[:, None, :] - g_r[None, :, :], float("-inf")))   # [i, j, c]
+        dp_q_rows = load_rows(dpq, row0 + rr + i0, hv, HV, C, JG, 16, rr)              # [i, j]
+        dp_k_rows = load_rows(dpk, row0 + rr + i0, hv, HV, C, JG, 16, rr)
+        acc_q += tl.sum((dp_q_rows[:, :, None] * q_i[:, None, :]) * decay, axis=0)
+        acc_k += tl.sum((dp_k_rows[:, :, None] * k_i[:, None, :]) * decay, axis=0)
+    return acc_q, acc_k
+
+
+@triton.jit
+def unit_lower_inverse_from_blocks(a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, t_inv, row0, hv,
+                                   HV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + A)^-1 of one chunk from the ten 16 x 16 blocks of the strictly lower A, stored to
+    t_inv [Tp, HV, C]: the GDN kernels' blocked forward substitution (gated_delta_rule/common.py,
+    `unit_lower_inverse`), whose products are all of bounded matrices, never a power series."""
+    tl.static_assert(C == 64, "the UT inverse is written for chunks of 4 x 16 tokens")
+    t00 = _block_inverse(a00)
+    t11 = _block_inverse(a11)
+    t22 = _block_inverse(a22)
+    t33 = _block_inverse(a33)
+    t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision=PREC), input_precision=PREC)
+    t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision=PREC), input_precision=PREC)
+    t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision=PREC) + tl.dot(a21, t10, input_precision=PREC),
+                  input_precision=PREC)
+    t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision=PREC), input_precision=PREC)
+    t31 = -tl.dot(t33, tl.dot(a31, t11, input_precision=PREC) + tl.dot(a32, t21, input_precision=PREC),
+                  input_precision=PREC)
+    t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=PREC) + tl.dot(a31, t10, input_precision=PREC)
+                  + tl.dot(a32, t20, input_precision=PREC), input_precision=PREC)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_block_row(t_inv, t00, zero, zero, zero, row0, hv, HV, C)
+    _store_block_row(t_inv, t10, t11, zero, zero, row0 + 16, hv, HV, C)
+    _store_block_row(t_inv, t20, t21, t22, zero, row0 + 32, hv, HV, C)
+    _store_block_row(t_inv, t30, t31, t32, t33, row0 + 48, hv, HV, C)
+
+
+def diagonal_group(BK: int, tile: int) -> int:
+    """Rows (or columns) of a diagonal block the backward takes at once: [16, group, BK] tiles of about
+    `tile` fp32 values (registers on a GPU; in the interpreter, fewer and larger steps are faster)."""
+    return max(1, min(16, tile // (16 * BK)))
+
+
+def channel_group(BK: int, group: int) -> int:
+    """Channels of a diagonal block the forward sums at once, as [16, 16, group] tiles."""
+    return min(BK, group)
+
+
+def key_block(K: int) -> int:
+    """All K key columns in one tile (K <= 256), at least 32 wide: the GDN kernels' choice
+    (gated_delta_rule/__init__.py, `_key_block`: 16-column tiles misbuilt on Hopper with Triton 3.6)."""
+    return max(32, triton.next_power_of_2(K))
