@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a field of that config (repeatable)")
 
     to_hf = commands.add_parser("to-hf", help="checkpoint -> flash-linear-attention GatedDeltaNetForCausalLM "
-                                "folder")
+                                "folder (KDAForCausalLM for a model with Kimi Delta Attention layers)")
     to_hf.add_argument("checkpoint", **checkpoint)
     to_hf.add_argument("out_dir", help="the folder to create (config.json, *.safetensors, "
                        "generation_config.json and the checkpoint's tokenizer: docs/convert.md); must not "
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_torch.add_argument("--dtype", **dtype)
 
     for name, source, source_help, help_text in (
-            ("from-hf", "hf_dir", "a folder with config.json (model_type gated_deltanet) and "
+            ("from-hf", "hf_dir", "a folder with config.json (model_type gated_deltanet or kda) and "
              "model.safetensors or shards with their index",
              "Hugging Face folder (ours or fla's) -> step-0 checkpoint"),
             ("from-torch", "file", "a file written by to-torch, or torch.save(state_dict) with --config",

@@ -19,6 +19,18 @@ HYBRID = {"model.n_layers": 3, "model.layer_pattern": "GSA", "model.attn_num_hea
 PURE_GDN = {"model.n_layers": 2, "model.layer_pattern": "G", "model.gdn_num_heads": 1,
             "model.gdn_num_v_heads": 2, "model.gdn_expand_v": 1.0, "model.gdn_allow_neg_eigval": True}
 
+# Kimi Delta Attention for flash-linear-attention's KDAForCausalLM: 2 heads of 32 at hidden 64, weights
+# drawn wider than the default init so that the KDA layers move the logits well past the comparisons'
+# tolerance. Pure: negative eigenvalues (grouped value heads: test_fla_kda.py's fla-written folder).
+# Hybrid: K, S and A layers with grouped KV heads, q/k/v biases and tied embeddings (fla's Attention
+# rotates whole heads: RoPE on all of them).
+KDA_SHARED = {"model.hidden_size": 64, "model.kda_num_heads": 2, "model.kda_head_dim": 32,
+              "model.initializer_range": 0.1}
+PURE_KDA = {**KDA_SHARED, "model.n_layers": 2, "model.layer_pattern": "K", "model.kda_allow_neg_eigval": True}
+KDA_HYBRID = {**KDA_SHARED, "model.n_layers": 3, "model.layer_pattern": "KSA", "model.attn_num_heads": 2,
+              "model.attn_num_kv_heads": 1, "model.window_size": 8, "model.attn_qkv_bias": True,
+              "model.tie_word_embeddings": True}
+
 
 def train_checkpoint(out_dir: Path, settings: dict) -> Path:
     overrides = [x for key, value in settings.items() for x in ("--set", f"{key}={value}")]
@@ -34,6 +46,16 @@ def hybrid_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gdn_checkpoint(tmp_path_factory) -> Path:
     return train_checkpoint(tmp_path_factory.mktemp("gdn-run"), PURE_GDN)
+
+
+@pytest.fixture(scope="session")
+def kda_checkpoint(tmp_path_factory) -> Path:
+    return train_checkpoint(tmp_path_factory.mktemp("kda-run"), PURE_KDA)
+
+
+@pytest.fixture(scope="session")
+def kda_hybrid_checkpoint(tmp_path_factory) -> Path:
+    return train_checkpoint(tmp_path_factory.mktemp("kda-hybrid-run"), KDA_HYBRID)
 
 
 @pytest.fixture(scope="session")
