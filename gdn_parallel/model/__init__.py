@@ -13,6 +13,7 @@ from .mixers import (
     GroupedKVHeads,
     MixerKind,
     TensorParallelLayout,
+    check_kernels,
     check_layers,
     make_mixer,
     mixer_flops_per_token,
@@ -26,6 +27,7 @@ __all__ = ["Attention", "GatedDeltaNet", "KimiDeltaAttention", "ShortConvolution
            "HybridLM", "LMOutput",
            "residual_stream_dtype", "blocks_of", "build_model", "part_names", "architecture",
            "architecture_differences",
-           "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_layers", "make_mixer",
+           "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_kernels", "check_layers",
+           "make_mixer",
            "mixer_kinds", "mixer_flops_per_token", "FULL_ATTENTION", "SLIDING_WINDOW", "TokenCrossEntropy",
            "SwiGLU", "GatedRMSNorm", "RMSNorm", "SequenceInfo", "NO_WEIGHT_DECAY"]

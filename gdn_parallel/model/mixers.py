@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from ..ops.triton_dispatch import check_attention_kernels, check_gdn_kernels, check_kda_kernels
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
 from .kda import KimiDeltaAttention
@@ -101,6 +102,10 @@ class MixerKind:
     # them (bf16 under autocast): train/memory_model.py adds the block's residual stream, norms and
     # MLP. Required: a mixer left out would predict a peak that does not fit as fitting.
     activation_bytes_per_token: Callable[[ModelConfig], tuple[float, float]]
+    # What its config asks of the kernels on this machine (config, on_cuda), checked at start-up before a
+    # model is built: ConfigError naming the field. Required: a mixer whose kernels cannot run here
+    # would fail at its first call, after the data and the model were set up.
+    kernel_check: Callable[[ModelConfig, bool], None]
     output_projection: str = "o_proj"             # the linear writing the residual: scaled at init
     check: Callable[[ModelConfig, int], None] | None = None   # (config, tp): rules beyond tp_split
     attention: str | None = None                  # softmax attention: FULL_ATTENTION or SLIDING_WINDOW
@@ -248,7 +253,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         tp_split=lambda config: [("model.gdn_num_heads", config.gdn_num_heads),
                                  ("model.gdn_num_v_heads", config.num_v_heads)],
         tensor_parallel=GDN_TENSOR_PARALLEL, context_parallel=STATE_RELAY,
-        activation_bytes_per_token=_gdn_activations),
+        activation_bytes_per_token=_gdn_activations, kernel_check=check_gdn_kernels),
     MixerKind(
         symbol="K", description="kimi delta attention", module=KimiDeltaAttention, build=KimiDeltaAttention,
         fields=("kda_num_heads", "kda_num_v_heads", "kda_head_dim", "kda_expand_v", "kda_allow_neg_eigval",
@@ -257,7 +262,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         tp_split=lambda config: [("model.kda_num_heads", config.kda_num_heads),
                                  ("model.kda_num_v_heads", config.kda_v_heads)],
         tensor_parallel=KDA_TENSOR_PARALLEL, context_parallel=STATE_RELAY,
-        activation_bytes_per_token=_kda_activations),
+        activation_bytes_per_token=_kda_activations, kernel_check=check_kda_kernels),
     MixerKind(
         symbol="S", description="sliding-window attention", module=Attention,
         build=lambda config: Attention(config, window=config.window_size),
@@ -267,7 +272,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
                                      "model.window_size": config.window_size},
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
         attention=SLIDING_WINDOW, context_parallel=HALO_EXCHANGE,
-        activation_bytes_per_token=_attention_activations),
+        activation_bytes_per_token=_attention_activations, kernel_check=check_attention_kernels),
     MixerKind(
         symbol="A", description="full causal attention", module=Attention,
         build=lambda config: Attention(config, window=None),
@@ -276,7 +281,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         architecture=_attention_architecture,
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
         attention=FULL_ATTENTION, context_parallel=KV_ALL_GATHER,
-        activation_bytes_per_token=_attention_activations),
+        activation_bytes_per_token=_attention_activations, kernel_check=check_attention_kernels),
 )}
 
 
@@ -292,6 +297,13 @@ def _kinds_of(symbols: Iterable[str]) -> list[MixerKind]:
 
 def _registered() -> str:
     return ", ".join(f"{kind.symbol} ({kind.description})" for kind in MIXERS.values())
+
+
+def check_kernels(config: ModelConfig, on_cuda: bool) -> None:
+    """Each present mixer's kernel check (MixerKind.kernel_check), at start-up: ConfigError naming the
+    field and the fix."""
+    for kind in mixer_kinds(config):
+        kind.kernel_check(config, on_cuda)
 
 
 def check_layers(config: ModelConfig, tp: int = 1, cp: int = 1, recompute_chunks: int = 1) -> None:

@@ -69,24 +69,36 @@ def check_triton_input(x: torch.Tensor, name: str, fallback: str) -> ModuleType:
     return module
 
 
-def check_kernel_config(model: ModelConfig, on_cuda: bool) -> None:
-    """What a training configuration asks of the ops on this machine, checked at start-up, before a
-    model is built (ConfigError naming the field): of the Triton GDN kernels, the chunk length they are
-    built for and that impl='triton' can run here at all; of attention, a backward where it trains."""
+def check_gdn_kernels(model: ModelConfig, on_cuda: bool) -> None:
+    """Gated DeltaNet's entry in the registry's kernel checks (model.mixers.check_kernels): that
+    model.gdn_impl='triton' can run here at all, and the chunk length the kernels are built for."""
+    _check_chunk_kernels(model, on_cuda, "gated_delta_rule", "gdn_impl", "gdn_chunk_size")
+    # fp32 keys wider than 128 take the backward in key tiles (docs/kernels.md): they passed the GPU
+    # tests on sm_90 (nvidia-h200, 2026-11-26), after about 6 minutes of compilation on first use.
+
+
+def check_kda_kernels(model: ModelConfig, on_cuda: bool) -> None:
+    """Kimi Delta Attention's entry: as GDN's, for model.kda_impl and model.kda_chunk_size."""
+    _check_chunk_kernels(model, on_cuda, "kda", "kda_impl", "kda_chunk_size")
+
+
+def check_attention_kernels(model: ModelConfig, on_cuda: bool) -> None:
+    """Softmax attention's entry: a backward where it trains."""
     if model.attn_impl == "flex" and not on_cuda:
         raise ConfigError("model.attn_impl='flex' cannot train on the CPU: FlexAttention has no backward "
                           "there; set model.attn_impl=sdpa (or auto: sdpa on the CPU, flex on CUDA)")
-    impl = model.gdn_impl
-    runs_kernels = impl == "triton" or (impl == "auto" and on_cuda)
+
+
+def _check_chunk_kernels(model: ModelConfig, on_cuda: bool, name: str, impl_field: str, chunk_field: str):
+    impl, chunk = getattr(model, impl_field), getattr(model, chunk_field)
     if impl == "triton" and not on_cuda:
         try:  # the op's own test, on an empty tensor standing for this CPU run
-            check_triton_input(torch.empty(0), "gated_delta_rule", "chunk")
+            check_triton_input(torch.empty(0), name, "chunk")
         except (ImportError, ValueError) as err:
-            raise ConfigError(f"model.gdn_impl='triton' cannot run on the CPU: {err}") from None
-    kernels = kernel_module("gated_delta_rule") if runs_kernels else None
-    if kernels is not None and model.gdn_chunk_size != kernels.CHUNK:
-        raise ConfigError(f"model.gdn_chunk_size={model.gdn_chunk_size}: model.gdn_impl={impl!r} runs the "
-                          f"Triton kernels here, which process chunks of {kernels.CHUNK} tokens; set "
-                          f"model.gdn_chunk_size={kernels.CHUNK} or model.gdn_impl='chunk'")
-    # fp32 keys wider than 128 take the backward in key tiles (docs/kernels.md): they passed the GPU
-    # tests on sm_90 (nvidia-h200, 2026-11-26), after about 6 minutes of compilation on first use.
+            raise ConfigError(f"model.{impl_field}='triton' cannot run on the CPU: {err}") from None
+    runs_kernels = impl == "triton" or (impl == "auto" and on_cuda)
+    kernels = kernel_module(name) if runs_kernels else None
+    if kernels is not None and chunk != kernels.CHUNK:
+        raise ConfigError(f"model.{chunk_field}={chunk}: model.{impl_field}={impl!r} runs the Triton kernels "
+                          f"here, which process chunks of {kernels.CHUNK} tokens; set "
+                          f"model.{chunk_field}={kernels.CHUNK} or model.{impl_field}='chunk'")

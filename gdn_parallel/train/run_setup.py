@@ -30,8 +30,7 @@ from ..data import TokenBatches, check_vocabulary, load_dataset
 from ..data.dataset import data_field
 from ..data.tokenizer_record import tokenizer_files
 from ..data.validation import validation_set
-from ..model import HybridLM, build_model, residual_stream_dtype
-from ..ops.triton_dispatch import check_kernel_config
+from ..model import HybridLM, build_model, check_kernels, residual_stream_dtype
 from ..parallel.mesh import build_mesh
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import parts_of_rank, uneven_split_line
@@ -77,7 +76,7 @@ def _rank_zero_printer(print_fn: Callable[[str], None] | None) -> Callable[[str]
 def _prepare_process(config: Config, device: torch.device, say) -> None:
     """The checks of the config against this machine and world, and the process's torch settings."""
     train = config.train
-    check_kernel_config(config.model, device.type == "cuda")
+    check_kernels(config.model, device.type == "cuda")
     if train.dtype == "float16" and dist.get_world_size() > 1:
         raise ConfigError("train.dtype=float16 needs a loss scaler, which sharded training does not use "
                           "here; use bfloat16 or float32")

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError, creation_problem
-from ..ops.triton_dispatch import check_kernel_config
+from ..model import check_kernels
 from ..runtime import detect_launch_env, process_group, strip_launcher_args
 from .batches import MIN_ROW_TOKENS, verification_batch
 from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointSettings, shared_directory
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         _fp32_reference_on_cuda()
     with process_group(request.config.train) as (device, _launched):
         try:
-            check_kernel_config(request.config.model, device.type == "cuda")
+            check_kernels(request.config.model, device.type == "cuda")
         except ConfigError as err:
             return _refused(err, is_main)
         steps = [verification_batch(step, request.world, args.rows, request.seq_len,

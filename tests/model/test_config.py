@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from gdn_parallel.config import Config, ConfigError, ModelConfig, TrainConfig
-from gdn_parallel.model import check_layers
-from gdn_parallel.ops.triton_dispatch import check_kernel_config, kernel_module
+from gdn_parallel.model import MIXERS, check_kernels, check_layers
+from gdn_parallel.ops.triton_dispatch import kernel_module
 from tools.count_params import count_parameters
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -89,7 +89,7 @@ BAD_INPUTS = [
     ("model.kda_expand_v=16", "model.kda_expand_v"),          # 512 > 256
     ("model.kda_allow_neg_eigval=maybe", "model.kda_allow_neg_eigval"),
     ("model.kda_chunk_size=48", "model.kda_chunk_size"),
-    ("model.kda_impl=triton", "model.kda_impl"),              # no KDA kernels yet
+    ("model.kda_impl=fused", "model.kda_impl"),
     ("model.conv_size=0", "model.conv_size"),
     ("model.conv_size=1000", "model.conv_size"),
     ("model.conv_bias=2", "model.conv_bias"),
@@ -351,28 +351,48 @@ def test_configs_built_in_code_are_held_to_the_same_rules():
         ModelConfig(norm_eps=-1).validate()
 
 
-# What a config asks of the Triton kernels is checked at start-up (check_kernel_config, called by both
+# What a config asks of the Triton kernels is checked at start-up (check_kernels, called by both
 # trainers before the model is built): the config module sits below the ops and knows no kernels.
 def test_triton_gdn_on_cpu_fails_at_start_up(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run it on CPU
     config = Config.from_yaml(TINY, ["model.gdn_impl=triton", "train.device=cpu"])
     with pytest.raises(ConfigError, match="model.gdn_impl"):
-        check_kernel_config(config.model, on_cuda=False)
+        check_kernels(config.model, on_cuda=False)
 
 
 @pytest.mark.skipif(kernel_module("gated_delta_rule") is None, reason="needs triton")
 def test_triton_chunk_size_is_the_kernels():
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):
-        check_kernel_config(ModelConfig(gdn_impl="triton", gdn_chunk_size=32), on_cuda=True)
+        check_kernels(ModelConfig(gdn_impl="triton", gdn_chunk_size=32), on_cuda=True)
     # auto: PyTorch chunks
-    check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=False)
+    check_kernels(ModelConfig(gdn_chunk_size=32), on_cuda=False)
     with pytest.raises(ConfigError, match="model.gdn_chunk_size=32"):  # auto on CUDA runs the kernels
-        check_kernel_config(ModelConfig(gdn_chunk_size=32), on_cuda=True)
+        check_kernels(ModelConfig(gdn_chunk_size=32), on_cuda=True)
+
+
+def test_triton_kda_is_checked_at_start_up_when_the_model_has_kda_layers(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kda = ModelConfig(layer_pattern="KA", kda_impl="triton")
+    with pytest.raises(ConfigError, match="model.kda_impl='triton' cannot run on the CPU"):
+        check_kernels(kda, on_cuda=False)
+    # the same field in a model without KDA layers asks nothing of the KDA kernels
+    check_kernels(ModelConfig(layer_pattern="GA", kda_impl="triton"), on_cuda=False)
+    if kernel_module("kda") is not None:     # auto on CUDA runs the KDA kernels: their chunk length
+        with pytest.raises(ConfigError, match="model.kda_chunk_size=32"):
+            check_kernels(ModelConfig(layer_pattern="KA", kda_chunk_size=32), on_cuda=True)
+
+
+def test_every_mixer_declares_its_kernel_check():
+    """A kind without one cannot be made (the field is required), and each runs only for its layers."""
+    assert all(callable(kind.kernel_check) for kind in MIXERS.values())
+    check_kernels(ModelConfig(layer_pattern="G", attn_impl="flex"), on_cuda=False)   # no attention layers
+    with pytest.raises(ConfigError, match="model.attn_impl='flex'"):
+        check_kernels(ModelConfig(layer_pattern="GA", attn_impl="flex"), on_cuda=False)
 
 
 def test_wide_gdn_heads_are_accepted_on_cuda():
     # fp32 at K = 256 was refused on CUDA until its GPU tests passed (docs/kernels.md)
-    check_kernel_config(ModelConfig(gdn_head_dim=256, gdn_expand_v=1.0, hidden_size=256), on_cuda=True)
+    check_kernels(ModelConfig(gdn_head_dim=256, gdn_expand_v=1.0, hidden_size=256), on_cuda=True)
 
 
 def test_collective_timeout_names_its_range_and_the_first_steps_it_must_outlast():

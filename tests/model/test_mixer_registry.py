@@ -86,6 +86,7 @@ TOY = MixerKind(
     # kept: in_proj's output and the scaled mean (bf16); in the backward: their gradients
     activation_bytes_per_token=lambda config: (2 * 2 * config.attn_num_heads * config.attn_dim,
                                                2 * 2 * config.attn_num_heads * config.attn_dim),
+    kernel_check=lambda config, on_cuda: None,     # plain PyTorch: runs anywhere
     output_projection="out", check=_check_two_heads)
 
 
@@ -327,11 +328,12 @@ def test_the_memory_model_suggests_no_split_a_mixer_refuses():
         assert settings_that_fit(config, capacity) == []
 
 
-def test_a_mixer_must_declare_its_context_parallel_form_and_memory():
-    """Required fields: a new mixer cannot leave either out (the memory model would count 0 bytes)."""
+def test_a_mixer_must_declare_its_context_parallel_form_memory_and_kernel_check():
+    """Required fields: a new mixer cannot leave any out (the memory model would count 0 bytes, a kernel
+    that cannot run here would fail at its first call)."""
     declared = {f.name: getattr(TOY, f.name) for f in dataclasses.fields(MixerKind)}
     MixerKind(**declared)
-    for required in ("context_parallel", "activation_bytes_per_token"):
+    for required in ("context_parallel", "activation_bytes_per_token", "kernel_check"):
         with pytest.raises(TypeError, match=required):
             MixerKind(**{name: value for name, value in declared.items() if name != required})
     # the memory model counts the mixer's share on top of the block's own
