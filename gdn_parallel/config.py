@@ -188,8 +188,7 @@ class ModelConfig:
     kda_chunk_size: int = setting(64, "the tokens per chunk of the chunked KDA algorithm, e.g. 64",
                                   rule=Rule(_power_of_two, "must be a power of two"))
     kda_impl: str = setting("auto", "the KDA op: auto (triton on CUDA, chunk elsewhere), naive (token by "
-                                    "token), chunk (chunked PyTorch) or triton (the Triton kernels; chunk "
-                                    "under context parallelism)",
+                                    "token), chunk (chunked PyTorch) or triton (the Triton kernels)",
                             choices=("auto", "naive", "chunk", "triton"))
     conv_size: int = setting(
         4, "the short-convolution width of GDN and KDA layers (the fused kernel unrolls every tap), e.g. 4",

@@ -248,7 +248,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         t_inv = _buffer((Tp, HV, CHUNK), k.dtype, k.device)
         w, u = _chunk_factors(k, v, beta, gamma, t_inv, rows, True)
         ctx.h0_dtype = None if h0 is None else h0.dtype
-        h0 = _with_received_state(h0, relay)
+        h0 = with_received_state(h0, relay)
         sends = relay is not None and relay.sends
         h, delta, final = _walk(k, w, u, gamma, h0, plan, output_final_state or sends)
         if sends:  # before the outputs: the next process's walk waits for this
@@ -286,7 +286,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
                        _parallel_settings(V, 4), key)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         if relay is not None and relay.sends:  # everything before this ran while the gradient travelled
-            dfinal = _with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
+            dfinal = with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
         dh, dd, dh0 = _state_backward(q, k, w, gamma, do, dd_local, rows, dfinal, plan, scale, h0 is not None)
         if relay is not None and relay.receives:  # before the per-chunk gradients: rank r - 1 waits on it
             relay.send_state_grad(dh0[:1])
@@ -326,7 +326,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
                 None)
 
 
-def _with_received_state(h0, relay):
+def with_received_state(h0, relay):
     """fp32 initial states, the relay's received one (if any) in front of the given ones."""
     h0 = None if h0 is None else h0.float().contiguous()
     if relay is None or not relay.receives:
@@ -335,7 +335,7 @@ def _with_received_state(h0, relay):
     return incoming.contiguous() if h0 is None else torch.cat([incoming, h0]).contiguous()
 
 
-def _with_received_grad(dfinal, received, num_docs):
+def with_received_grad(dfinal, received, num_docs):
     """Add the gradient of the last document's final state, received from the next process."""
     received = received.float()
     if dfinal is None:

@@ -20,6 +20,7 @@ import torch
 import triton
 
 from ..chunk_layout import ChunkLayout, build_layout
+from ..gated_delta_rule import with_received_grad, with_received_state
 from ..gated_delta_rule.launch import launch_fitting, setting_ladder, value_blocks
 from ..gated_delta_rule.scan import ScanPlan, plan_scan
 from . import backward as bwd
@@ -47,7 +48,7 @@ TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_block_v": 64
 
 
 def triton_kimi_delta_attention(q, k, v, g, beta, *, scale: float, initial_state: torch.Tensor | None = None,
-                                output_final_state: bool = False, cu_seqlens=None):
+                                output_final_state: bool = False, cu_seqlens=None, relay=None):
     """Kimi Delta Attention on the Triton kernels, with autograd.
 
     q, k: [B, T, H, K] (L2-normalised by the caller); v: [B, T, HV, V] with HV a multiple of H (value
@@ -59,6 +60,13 @@ def triton_kimi_delta_attention(q, k, v, g, beta, *, scale: float, initial_state
 
     Returns (o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32, or None unless
     output_final_state). The final states' gradient flows back through the kernels.
+
+    relay (context parallelism; None otherwise): as gdn_kernels.gated_delta_rule's (receives, sends,
+    receive_state, send_state, receive_state_grad, send_state_grad). If it receives, the first document's
+    initial state comes from it (`initial_state` then holds the other documents', N - 1) after the
+    state-independent chunk work, and its gradient goes back right after the backward walk; if it
+    sends, the last document's final state goes out right after the forward walk, before the outputs,
+    and its gradient is taken before the backward walk.
 
     Example (on CUDA)::
 
@@ -72,12 +80,15 @@ def triton_kimi_delta_attention(q, k, v, g, beta, *, scale: float, initial_state
     B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state)
     lengths = _document_lengths(cu_seqlens, B, T)
     num_docs = len(lengths)
-    if initial_state is not None and initial_state.shape[0] != num_docs:
-        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {num_docs} "
-                         f"sequences; give one [HV, K, V] state per sequence (document)")
+    given = num_docs - int(relay is not None and relay.receives)   # the relay brings the first one's
+    if initial_state is not None and initial_state.shape[0] != given:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} states but there are {given} "
+                         f"sequences to start here; give one [HV, K, V] state per sequence (document)")
     layout, plan = _layout_and_plan(tuple(lengths), v.device)
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
-    o, final = _ChunkKDA.apply(*flat, initial_state, scale, layout, plan, output_final_state)
+    if relay is not None and relay.receives and initial_state is None and num_docs > 1:
+        initial_state = torch.zeros(num_docs - 1, HV, K, V, device=v.device)
+    o, final = _ChunkKDA.apply(*flat, initial_state, scale, layout, plan, output_final_state, relay)
     return o.view(B, T, HV, V), (final if output_final_state else None)
 
 
@@ -165,7 +176,7 @@ class _ChunkKDA(torch.autograd.Function):
     """Flat inputs [tokens, heads, D], unpadded; q/k may have fewer heads than v (grouped)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, layout, plan, output_final_state):
+    def forward(ctx, q, k, v, g, beta, h0, scale, layout, plan, output_final_state, relay):
         Tp, K, HV, V = layout.padded_len, q.shape[2], v.shape[1], v.shape[2]
         n, dev, dt = Tp // CHUNK, v.device, k.dtype
         BK, key = key_block(K), _shape_key(k, v)
@@ -179,16 +190,19 @@ class _ChunkKDA(torch.autograd.Function):
                         q.shape[1], HV, K, V, CHUNK, BK), _parallel_settings(V, "intra_forward_warps"), key,
                        KC=channel_group(BK, TUNING["channel_group"]), PREC=_precision(v))
         ctx.h0_dtype = None if h0 is None else h0.dtype
-        h0 = None if h0 is None else h0.float().contiguous()
-        h, delta, final = _walk(w, u, k_to_end, cum, h0, plan, output_final_state)
+        h0 = with_received_state(h0, relay)    # after the chunk work above, which the wait overlapped
+        sends = relay is not None and relay.sends
+        h, delta, final = _walk(w, u, k_to_end, cum, h0, plan, output_final_state or sends)
+        if sends:  # before the outputs: the next process's walk waits for this
+            relay.send_state(final[-1:])
         o = _buffer(v.shape, v.dtype, dev)
         q_decayed = _buffer((Tp, HV, K), dt, dev)
         launch_fitting(fwd.output_forward, lambda s: (n, HV),
                        (q, cum, aqk, h, delta, o, q_decayed, layout.chunk_rows, scale, q.shape[1], HV, K, V,
                         CHUNK, BK), _parallel_settings(V, "output_warps"), key)
         ctx.save_for_backward(q, k, v, beta, h0, cum, t_inv, aqk, pk, w, k_to_end, q_decayed, h, delta)
-        ctx.scale, ctx.layout, ctx.plan, ctx.g_dtype = scale, layout, plan, g.dtype
-        return o, final
+        ctx.scale, ctx.layout, ctx.plan, ctx.g_dtype, ctx.relay = scale, layout, plan, g.dtype, relay
+        return o, (final if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dfinal):
@@ -202,8 +216,14 @@ class _ChunkKDA(torch.autograd.Function):
         launch_fitting(bwd.delta_grad_local, lambda s: (n, HV), (aqk, do, dd_local, rows, HV, V, CHUNK),
                        _parallel_settings(V, "output_warps"), key)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
+        relay = ctx.relay
+        if relay is not None and relay.sends:  # everything before this ran while the gradient travelled
+            dfinal = with_received_grad(dfinal, relay.receive_state_grad(), plan.num_docs)
         dh, dd, dh0 = _state_backward(q_decayed, cum, w, k_to_end, do, dd_local, rows, dfinal, plan,
                                       h0 is not None)
+        if relay is not None and relay.receives:  # before the per-chunk gradients: rank r - 1 waits on it
+            relay.send_state_grad(dh0[:1])
+            dh0 = dh0[1:] if dh0.shape[0] > 1 else None
         del q_decayed
         del dd_local
         dq_part, dk_part, dcum = (_buffer((Tp, HV, K), torch.float32, dev) for _ in range(3))
@@ -228,8 +248,8 @@ class _ChunkKDA(torch.autograd.Function):
                        _intra_settings(), key, JG=diagonal_group(BK, TUNING["diagonal_tile"]))
         if group > 1:
             dq, dk = (x.view(total, H, group, K).sum(2).to(q.dtype) for x in (dq, dk))
-        dh0 = None if dh0 is None else dh0.to(ctx.h0_dtype)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+        dh0 = None if dh0 is None or ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
 
 
 def _walk(w, u, k_to_end, cum, h0, plan: ScanPlan, want_final: bool):

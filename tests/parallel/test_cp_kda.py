@@ -1,5 +1,6 @@
 """Kimi Delta Attention under context parallelism (ops/kda/cp.py: the gated delta rule's relay and
-summary all-gather with KDA's chunk form) equals one process: outputs, final states, every gradient."""
+summary all-gather with KDA's chunk form, and with its Triton kernels run whole, here in Triton's
+interpreter) equals one process: outputs, final states, every gradient."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +21,9 @@ def shard_of(cp, cu):
     return s, e, starting, ending
 
 
-def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size, decay_shift=2.0):
-    total, K, V = cu[-1], 8, 6
+def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size, decay_shift=2.0,
+               impl="auto", K=8, V=6):
+    total = cu[-1]
     inputs = kda_inputs(1, total, H, HV, K, V, dtype=dtype, seed=seed, num_states=len(cu) - 1,
                         decay_shift=decay_shift)
     gen = generator(seed + 1)
@@ -37,7 +39,7 @@ def check_case(rank, world, cu, algorithm, dtype, H, HV, tol, seed, chunk_size, 
     local = [x.detach()[:, s:e].clone().requires_grad_() for x in inputs[:5]]
     h0_local = h0.detach()[starting].clone().requires_grad_()
     o, ht = kimi_delta_attention(*local, initial_state=h0_local, output_final_state=True, cp=cp,
-                                 chunk_size=chunk_size)
+                                 chunk_size=chunk_size, impl=impl)
     ((o * do[:, s:e]).sum() + (ht * dht[ending]).sum()).backward()
     cp.finish()
 
@@ -109,6 +111,20 @@ def test_cp_kimi_delta_attention_matches_single_process(world, algorithm):
     assert all(CP_CASES((world, algorithm)))
 
 
+def triton_cases(rank, world, algorithm):
+    """The kernels on each shard (fp32 in the interpreter), grouped value heads: one document crosses
+    ranks 0, 1 and 2 (rank 1 lies inside it), the next crosses 2 and 3; an initial state for each."""
+    check_case(rank, world, [0, 40, 150, 64 * world], algorithm, torch.float32, 1, 2, 2e-5, seed=80,
+               chunk_size=64, impl="triton", K=16, V=16)
+    return True
+
+
+@pytest.mark.parametrize("algorithm", ["relay", "allgather"])
+def test_cp_triton_matches_single_process(algorithm):
+    """Four ranks: the first only sends, the last only receives, the middle ones both."""
+    assert all(CP_CASES(("triton", 4, algorithm)))
+
+
 def test_a_cp_call_names_what_it_refuses():
     """The checks the gated delta rule's CP call makes (ops/gated_delta_rule/cp.py, check_cp_call)."""
     cp = CPContext.build(None, [0, 16], 8, rank=0, size=2)
@@ -122,5 +138,7 @@ def test_a_cp_call_names_what_it_refuses():
 
 
 # Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
-CP_CASES = SharedLaunch({(world, algorithm): (world, all_cases, algorithm)
-                         for world in (2, 4) for algorithm in ("relay", "allgather")})
+CP_CASES = SharedLaunch({
+    **{(world, algorithm): (world, all_cases, algorithm)
+       for world in (2, 4) for algorithm in ("relay", "allgather")},
+    **{("triton", 4, algorithm): (4, triton_cases, algorithm) for algorithm in ("relay", "allgather")}})

@@ -68,13 +68,13 @@ def cp_gated_delta_rule(q, k, v, g, beta, *, scale: float, cp: CPContext, chunk_
     if impl != "triton":
         return cp_chunked(GATED_DELTA_RULE, q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state)
-    _check_shard(q, initial_state, cp)
-    incoming = _post_incoming_state(cp, k, v)
+    check_shard(q, initial_state, cp)
+    incoming = post_incoming_state(cp, k, v)
     gates = dict(decay_params=decay_params, beta_activation=beta_activation, use_qk_l2norm=use_qk_l2norm)
     return _triton(q, k, v, g, beta, scale, cp, initial_state, output_final_state, incoming, gates)
 
 
-def _check_shard(q, initial_state, cp: CPContext) -> None:
+def check_shard(q, initial_state, cp: CPContext) -> None:
     if q.shape[0] != 1:
         raise ValueError(f"context parallelism takes one packed row (batch 1), got batch {q.shape[0]}")
     if initial_state is not None and initial_state.shape[0] != cp.docs_starting_here:
@@ -82,7 +82,7 @@ def _check_shard(q, initial_state, cp: CPContext) -> None:
                          f"documents start on CP rank {cp.rank}: give states only for those")
 
 
-def _post_incoming_state(cp: CPContext, k, v):
+def post_incoming_state(cp: CPContext, k, v):
     """The relay's receive of the state [1, HV, K, V] from the previous piece, posted before the local
     work it overlaps."""
     if not (cp.continues_from_prev and cp.algorithm == "relay"):
@@ -97,11 +97,11 @@ def cp_chunked(rule: ChunkRule, q, k, v, g, beta, *, scale: float, cp: CPContext
     expanded to the value heads, v [1, L, HV, V], g and beta as `rule` takes them, activated.
     initial_state: [docs starting on this rank, HV, K, V] or None. Returns (o [1, L, HV, V], final
     states of the documents that end on this rank or None)."""
-    _check_shard(q, initial_state, cp)
+    check_shard(q, initial_state, cp)
     dtype = torch.promote_types(v.dtype, torch.float32)
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     anchors = tuple(x for x in (q, k, v, g, beta, initial_state) if x is not None)
-    incoming = _post_incoming_state(cp, k, v)
+    incoming = post_incoming_state(cp, k, v)
 
     layout = build_layout(sequence_lengths(cp.local_cu_list), chunk_size, v.device)
     q_c, k_c, v_c, g_c, beta_c = (layout.pad(x[0].to(dtype)) for x in (q, k, v, g, beta))
@@ -145,10 +145,10 @@ def _allgather_incoming_state_fp32(factors: ChunkTransitions, layout, cp: CPCont
         # The last piece starts on this rank: its outgoing state does not depend on earlier ranks.
         s_last = m_last @ starting[-1:].to(m_last.dtype) + s_last
         m_last = torch.zeros_like(m_last)
-    return _gather_and_fold(m_last, s_last, cp)
+    return gather_and_fold(m_last, s_last, cp)
 
 
-def _gather_and_fold(m_last, s_last, cp: CPContext):
+def gather_and_fold(m_last, s_last, cp: CPContext):
     """All-gather every rank's (M, S_loc) of its last piece; fold the earlier ranks' into this rank's
     incoming state. Returns (state or None, a zero token tying the all-gather into autograd)."""
     summaries = all_gather(cp, torch.cat([m_last, s_last], dim=-1)[0])       # [P, HV, K, K + V]
@@ -182,27 +182,37 @@ def _triton(q, k, v, g, beta, scale, cp: CPContext, initial_state, output_final_
     if cp.continues_to_next and cp.next_is_local:   # to a chunk of this process: the state itself
         send_to_next(cp, final[-1:])
     if cp.algorithm == "allgather":  # every document starts here: the last one's summary is its final state
-        _, token = _gather_and_fold(final.new_zeros(1, HV, K, K), final[-1:], cp)
+        _, token = gather_and_fold(final.new_zeros(1, HV, K, K), final[-1:], cp)
         o = tie(o, token)
     return o, (final[:cp.docs_ending_here] if output_final_state else None)
 
 
 def _triton_allgather_continuing(q, k, v, g, beta, scale, cp: CPContext, starting, output_final_state, gates):
-    """One kernel run gives both this rank's summary and its outputs before the incoming state is
-    known, by linearity in that state: the first document starts from [0 | I] with values [V | 0],
-    so its outputs come out as [o from a zero state | Q~] and its final state as [S_loc | M]; with
-    the incoming state S_in, o = o_zero + Q~ S_in and the final state is S_loc + M S_in."""
     triton_gated_delta_rule = imported_kernel("gated_delta_rule").triton_gated_delta_rule
+
+    def run(values, initial_state):
+        return triton_gated_delta_rule(q, k, values, g, beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=True, cu_seqlens=cp.local_cu_list, **gates)
+    return allgather_by_linearity(run, k, v, cp, starting, output_final_state)
+
+
+def allgather_by_linearity(run, k, v, cp: CPContext, starting, output_final_state: bool):
+    """The summary all-gather for a rank whose first document continues from earlier ranks, with one run
+    of an opaque kernel `run(values [1, L, HV, V'], initial_state [N, HV, K, V']) -> (o, final)`.
+
+    One run gives both this rank's summary and its outputs before the incoming state is known, by
+    linearity in that state: the first document starts from [0 | I] with values [V | 0], so its outputs
+    come out as [o from a zero state | Q~] and its final state as [S_loc | M]; with the incoming state
+    S_in, o = o_zero + Q~ S_in and the final state is S_loc + M S_in."""
     HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     values = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)
     eye = torch.eye(K, device=v.device).expand(1, HV, K, K)
     first_start = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1)
     starts = torch.cat([first_start, torch.cat([starting, starting.new_zeros(*starting.shape[:3], K)], -1)])
-    o_ext, final_ext = triton_gated_delta_rule(q, k, values, g, beta, scale=scale, initial_state=starts,
-                                               output_final_state=True, cu_seqlens=cp.local_cu_list, **gates)
+    o_ext, final_ext = run(values, starts)
     s_last = final_ext[-1:, ..., :V]
     m_last = final_ext[-1:, ..., V:] if cp.num_local_docs == 1 else torch.zeros_like(final_ext[-1:, ..., V:])
-    state_in, token = _gather_and_fold(m_last, s_last, cp)
+    state_in, token = gather_and_fold(m_last, s_last, cp)
     # Q~ is zero past the first document (the later ones start from [S0 | 0]), so one batched product
     # over all rows is exact; in the kernels' dtype, as their chunk states are.
     q_tilde = o_ext[0, :, :, V:].transpose(0, 1)                              # [HV, L, K], a view

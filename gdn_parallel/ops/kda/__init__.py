@@ -7,7 +7,7 @@ rule's (docs/design.md §1), which is KDA with g equal across the channels. One 
 op, with its oracle (`naive`) beside the PyTorch chunked form (`chunk`) and the context-parallel form
 (cp.py: the gated delta rule's state relay and summary all-gather, docs/design.md §2); the segment
 summary is what a rank exchanges under the all-gather. impl="triton" runs the Triton chunk kernels
-(gdn_kernels.kda) without context parallelism; under CP the PyTorch chunk form runs.
+(gdn_kernels.kda), under context parallelism too (cp.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..gated_delta_rule.inputs import check_chunk_size, check_rule_inputs, check
 from ..triton_dispatch import auto_uses_triton, check_triton_input
 from ..validation import check_cu_seqlens
 from .chunk import chunk_kda
-from .cp import cp_kimi_delta_attention
+from .cp import cp_kimi_delta_attention, cp_kimi_delta_attention_triton, triton_takes_cp
 from .gates import activate_kda_gates, check_kda_gate_args
 from .naive import naive_documents
 from .summary import document_summaries
@@ -70,9 +70,14 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None,
     impl = _resolve_impl(impl, v)
     if impl == "triton" and cp is None:  # the kernels read grouped q/k heads in place
         return _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    on_kernels = impl == "triton" and _check_triton_chunk(v, chunk_size) is not None
+    if cp is not None and on_kernels and triton_takes_cp(k, v, cp):
+        return cp_kimi_delta_attention_triton(
+            q, k, v, g, beta, scale=scale, cp=cp, initial_state=initial_state,
+            output_final_state=output_final_state)
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    if cp is not None:  # the PyTorch chunk form, whatever the impl (the kernels have no CP path yet)
+    if cp is not None:  # the PyTorch chunk form (or the all-gather of heads too wide for the kernels)
         return cp_kimi_delta_attention(q, k, v, g, beta, scale=scale, cp=cp, chunk_size=chunk_size,
                                        initial_state=initial_state, output_final_state=output_final_state)
     if impl == "naive":
@@ -114,12 +119,18 @@ def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     return "triton" if auto_uses_triton(x, "kda") else "chunk"
 
 
-def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-    """q, k normalised by the caller, grouped heads not expanded; g and beta activated."""
+def _check_triton_chunk(v, chunk_size: int):
+    """impl='triton': the kernels import and take these inputs and this chunk length; returns them."""
     kernels = check_triton_input(v, "kda", "chunk")
     if chunk_size != kernels.CHUNK:
         raise ValueError(f"impl='triton' runs chunks of {kernels.CHUNK} tokens, got chunk_size={chunk_size}; "
                          f"leave chunk_size at its default or use impl='chunk'")
+    return kernels
+
+
+def _triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    """q, k normalised by the caller, grouped heads not expanded; g and beta activated."""
+    kernels = _check_triton_chunk(v, chunk_size)
     o, final = kernels.triton_kimi_delta_attention(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                    output_final_state=output_final_state,
                                                    cu_seqlens=cu_seqlens)
