@@ -9,6 +9,9 @@
 #                                           scaling_profile: 1 and 2 GPUs with a profiled step, every rank's trace)
 #   bash tools/gpu_acceptance.sh hybrids   (2 GPUs: gdn-verify bf16 of configs/qwen3next-1.3b and kimi-1.3b)
 #   bash tools/gpu_acceptance.sh nodes     (tools/bench_nodes.py: 2 simulated nodes, NCCL over sockets or not)
+#   bash tools/gpu_acceptance.sh zigzag    (full attention's time per rank under cp, contiguous against zigzag)
+#   bash tools/gpu_acceptance.sh kda       (KDA's GPU tests, its fla export's, tools/bench_kda.py against fla-core:
+#                                           carry fla-core's wheels in .whl/, see the part below)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
 #                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
@@ -118,6 +121,33 @@ if [[ " $parts " == *" scaling_profile "* ]]; then
         tar czf "$out/profile_$run.tgz" -C "$profile" . && rm -r "$profile"
     done
     grep -A9 "^| dimension" "$out/scaling_profile.log"
+fi
+# Full attention's balance under cp (issue 43): each rank's forward + backward time, the contiguous split
+# against zigzag, over every GPU, 64K tokens a rank, one document and then eight.
+if [[ " $parts " == *" zigzag "* ]]; then
+    n=$(nvidia-smi -L | wc -l)
+    for docs in 1 8; do
+        step "zigzag_docs$docs" 280 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+            tools/bench_cp_attention.py --docs "$docs" --out "$out/zigzag_docs$docs"
+        tail -4 "$out/zigzag_docs$docs.log"
+    done
+fi
+# Kimi Delta Attention (issue 43): the kernels' GPU tests and the fla export's beside the benchmark
+# against fla-core's chunk_kda (on a second GPU when there is one: its timings alone on theirs). The
+# image has no fla-core: carry its wheels (no registry there), fetched here with
+#   python3 -m pip download --no-deps -d .whl fla-core==0.6.0 flash-linear-attention==0.6.0
+# and carry=[".whl", ...]; einops and transformers are on the image.
+if [[ " $parts " == *" kda "* ]]; then
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
+            .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
+    fi
+    bench_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
+    CUDA_VISIBLE_DEVICES=0 step kda_tests 560 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf -s \
+        tests/kernels/test_kda_triton.py tests/convert/test_fla_kda_gpu.py &
+    CUDA_VISIBLE_DEVICES=$bench_gpu step bench_kda 560 python3 tools/bench_kda.py --out "$out/bench_kda.json" &
+    wait
+    tail -12 "$out/kda_tests.log"; grep -v '^{' "$out/bench_kda.log" | tail -20
 fi
 # Several nodes simulated on one host (issue 42): one torchrun agent a node, NCCL over the machine's links
 # and over TCP sockets; 2 x 1 on 2 GPUs, 2 x 2 on 4.

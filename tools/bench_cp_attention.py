@@ -1,0 +1,150 @@
+"""Full attention under context parallelism, each rank's time: the contiguous split against zigzag (issue 43).
+
+    torchrun --standalone --nproc-per-node 4 tools/bench_cp_attention.py            # 64K tokens a rank
+    torchrun --standalone --nproc-per-node 4 tools/bench_cp_attention.py --docs 8   # 8 equal documents
+
+Every rank runs the op the model's full-attention layers run under cp (`ops.attention.attention` with
+the row's CPContext: the K/V all-gather, and under zigzag the query blocks' all-to-all there and the
+outputs' back) forward and backward on random inputs, `--iters` times after `--warmup` (FlexAttention
+compiles on the first call), timed with CUDA events on its own device. The contiguous split gives rank
+r (2r + 1) / n² of the row's query-key pairs (one document); zigzag gives every rank 1/n. Printed per
+split: each rank's median milliseconds, the slowest over the mean (1.0 is balanced) and the slowest
+rank's time, which is what a step waits for. JSON to --out (rank 0).
+
+On CPU (gloo, `--device cpu`) the same runs with impl sdpa at any small size: the plumbing only (sdpa
+computes the whole masked matrix, so both splits cost alike there).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gdn_parallel.comm import CPContext  # noqa: E402
+from gdn_parallel.ops.attention import attention  # noqa: E402
+
+SPLITS = ("contiguous", "zigzag")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--tokens-per-rank", type=int, default=65536)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--docs", type=int, default=1, help="equal documents in the row")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/bench_cp_attention")))
+    return parser.parse_args(argv)
+
+
+def measure(rank: int, world: int, args) -> dict:
+    """{split: [this rank's milliseconds per forward + backward]} on the current process group."""
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    impl = "flex" if device.type == "cuda" else "sdpa"
+    total = args.tokens_per_rank * world
+    if total % args.docs:
+        raise SystemExit(f"--docs {args.docs} does not divide the row of {total} tokens")
+    cu = [total * d // args.docs for d in range(args.docs + 1)]
+    gen = torch.Generator().manual_seed(1234 + rank)
+    shapes = ((args.heads, args.head_dim), (args.kv_heads, args.head_dim), (args.kv_heads, args.head_dim))
+    q, k, v = (torch.randn(1, args.tokens_per_rank, h, d, generator=gen).to(device, dtype) for h, d in shapes)
+    do = torch.randn(1, args.tokens_per_rank, args.heads, args.head_dim, generator=gen).to(device, dtype)
+    times = {}
+    for split in SPLITS:
+        cp = CPContext.build(dist.group.WORLD, cu, args.tokens_per_rank, attention_split=split, device=device)
+        memo: dict = {}
+        samples = []
+        for i in range(args.warmup + args.iters):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            dist.barrier()
+            elapsed = _timed(device, functools.partial(_step, leaves, do, cp, impl, memo))
+            cp.finish()
+            if i >= args.warmup:
+                samples.append(elapsed)
+        times[split] = samples
+    return times
+
+
+def _step(leaves, do, cp, impl: str, memo: dict) -> None:
+    q, k, v = leaves
+    o = attention(q, k, v, causal=True, impl=impl, cp=cp, memo=memo)
+    o.backward(do)
+
+
+def _timed(device: torch.device, fn) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    began = time.perf_counter()
+    fn()
+    return (time.perf_counter() - began) * 1e3
+
+
+def summarize(per_rank: list[dict]) -> dict:
+    """{split: {"ms_per_rank", "slowest_over_mean", "slowest_ms"}} from every rank's samples."""
+    report = {}
+    for split in SPLITS:
+        medians = [statistics.median(times[split]) for times in per_rank]
+        mean = statistics.fmean(medians)
+        report[split] = {"ms_per_rank": medians, "slowest_over_mean": max(medians) / mean,
+                         "slowest_ms": max(medians)}
+    return report
+
+
+def table(report: dict) -> str:
+    lines = ["| split | ms per rank (fwd + bwd) | slowest / mean | slowest ms |", "|---|---|---|---|"]
+    for split, row in report.items():
+        ranks = ", ".join(f"{ms:.2f}" for ms in row["ms_per_rank"])
+        lines.append(f"| {split} | {ranks} | {row['slowest_over_mean']:.3f} | {row['slowest_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local}"))
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        times = measure(rank, world, args)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, times)
+        if rank == 0:
+            report = summarize(gathered)
+            print(table(report))
+            args.out.mkdir(parents=True, exist_ok=True)
+            device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+            (args.out / "cp_attention.json").write_text(json.dumps(
+                {"device": device, "world": world, "settings": {k: str(v) for k, v in vars(args).items()},
+                 "samples": gathered, "report": report, "table": table(report)}, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
