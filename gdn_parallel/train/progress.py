@@ -17,9 +17,11 @@ With the second line (and in its record, `startup`) comes one start-up line: how
 process started its first step was done, split into the set-up before the loop (imports, data, model,
 checkpoint) and the first step, and of that step the excess over a later step's time (the steps of the
 second line's interval): the kernels' compilation and autotuning, which their caches spare the next
-launch on this machine.
+launch on this machine. The set-up's parts (PhaseClock, marked by train/run_setup.py) follow it in
+brackets, those of 0.05 s or more: "start" is the process's own start (imports, the process group).
 
-    startup | first step done 9.7 s after launch | set-up 8.4 s | compile + autotune ~1.0 s | a step 0.30 s
+    startup | first step done 9.7 s after launch | set-up 8.4 s (start 4.1, data 0.3, model 2.6, ...) |
+        compile + autotune ~1.0 s | a step 0.30 s
 """
 from __future__ import annotations
 
@@ -62,6 +64,24 @@ def peak_flops_per_s(train_config, device: torch.device) -> float | None:
             if fragment in name:
                 return tflops * 1e12
     return None
+
+
+class PhaseClock:
+    """Seconds of each phase of a process's set-up: `mark(name)` closes the phase that ran since the last
+    mark. The first phase, "start", runs from the process's start (imports, the launcher's work, the
+    process group) to the clock's making; without /proc it is left out."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        age = process_age_s()
+        if age is not None:
+            self.phases["start"] = age
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def process_age_s() -> float | None:
@@ -180,6 +200,7 @@ class ProgressSettings:
         when the logger is made, so make it after the checkpoint is loaded.
     append: a resumed run appends to metrics.jsonl after a {"step": first_step, "resumed": true}
         marker instead of starting it afresh.
+    setup_phases: seconds of each part of the set-up (PhaseClock.phases), for the start-up line.
     """
     total_steps: int
     log_every: int
@@ -191,6 +212,7 @@ class ProgressSettings:
     run_config: dict | None = None
     first_step: int = 0
     append: bool = False
+    setup_phases: dict | None = None
 
 
 class ProgressLogger:
@@ -250,6 +272,7 @@ class ProgressLogger:
         self._interval_steps = self._steps_done = 0
         self.train_time_s = 0.0                            # wall time minus pauses, at the last line
         self._setup_s = process_age_s()                    # launch to the loop
+        self.setup_phases = dict(settings.setup_phases or {})
         self.startup: dict | None = None                   # set at the second line (see the module doc)
 
     def due(self, step: int) -> bool:
@@ -341,7 +364,8 @@ class ProgressLogger:
         first_s = first["interval_s"] / first["interval_steps"]
         later_s = second["interval_s"] / second["interval_steps"]
         setup = self._setup_s
-        return {"setup_s": setup, "first_step_s": first_s, "later_step_s": later_s,
+        return {"setup_s": setup, "setup_phases": self.setup_phases, "first_step_s": first_s,
+                "later_step_s": later_s,
                 "warmup_s": max(0.0, first_s - later_s),
                 "first_step_done_s": None if setup is None else setup + first["elapsed_s"]}
 
@@ -350,6 +374,10 @@ class ProgressLogger:
         """The start-up line (module doc); without /proc, the first step's own time stands first."""
         head = (f"first step {s['first_step_s']:.1f} s" if s["setup_s"] is None else
                 f"first step done {s['first_step_done_s']:.1f} s after launch | set-up {s['setup_s']:.1f} s")
+        phases = [f"{name} {seconds:.1f}" for name, seconds in (s.get("setup_phases") or {}).items()
+                  if seconds >= 0.05]
+        if phases:
+            head += f" ({', '.join(phases)})"
         return (f"startup | {head} | compile + autotune ~{s['warmup_s']:.1f} s | "
                 f"a step {s['later_step_s']:.2f} s")
 

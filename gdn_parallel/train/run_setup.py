@@ -38,7 +38,7 @@ from .evaluation import validation_text_bytes
 from .memory_model import PREDICTION_ERROR, predict_peak, settings_that_fit
 from .optim import autocast_dtype, build_optimizer
 from .profiling import StepProfiler
-from .progress import ProgressLogger, ProgressSettings, alloc_retries, peak_flops_per_s
+from .progress import PhaseClock, ProgressLogger, ProgressSettings, alloc_retries, peak_flops_per_s
 from .run_state import ModelSize, RunState, Validation
 from .schedule import check_resumed_schedule, schedule_from_config
 
@@ -48,18 +48,24 @@ def set_up_run(config: Config, device: torch.device, print_fn: Callable[[str], N
     """Everything the steps need, in the order the start-up lines are printed (a collective: every rank
     calls it). `config` is validated for this world; `resume`: --resume (auto, a path, or None)."""
     say = _rank_zero_printer(print_fn)
+    clock = PhaseClock()                    # where the set-up's seconds go: the start-up line
     _prepare_process(config, device, say)
+    clock.mark("checks")
     dataset = _checked_dataset(config)
+    clock.mark("data")
     checkpoint = _resume_point(resume, config, say)
-    run = _build_run(config, device, dataset, say)
+    clock.mark("resume point")
+    run = _build_run(config, device, dataset, say, clock)
     _announce(run, dataset)
     # The replicas share one fixed validation set, as they share a training batch.
     steps = validation_steps(dataset, config, run.dims.rank("dp"), device, say)
     run.validation = Validation(steps, validation_text_bytes(dataset, config, say) if steps else None)
     _write_config_copy(config)
+    clock.mark("validation set")
     resumed = _resume(run, checkpoint, resume)
     run.saver = _saver(config, dataset)
-    run.logger = _progress_logger(run, resumed)
+    clock.mark("checkpoint load" if resumed else "saver")
+    run.logger = _progress_logger(run, resumed, clock.phases)
     if dist.get_rank() == 0:
         run.say = run.logger.say  # lines above the progress bar, when there is one
     run.profiler = StepProfiler(config.train.profile_window, config.train.out_dir, dist.get_rank(), device,
@@ -157,10 +163,11 @@ def _resume_point(resume: str | None, config: Config, say) -> Path | None:
     return checkpoint
 
 
-def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
+def _build_run(config: Config, device: torch.device, dataset, say, clock: PhaseClock) -> RunState:
     """The model under its layout, its optimizer, schedule and precision, and this replica's batches."""
     train, pc = config.train, config.parallel
     dims = build_mesh(pc, device.type, timedelta(seconds=train.collective_timeout_s))
+    clock.mark("mesh")
     with torch.device("meta"):  # the whole model's size and work, without its memory
         skeleton = HybridLM(config.model)
     size = ModelSize(skeleton.num_parameters(), float(skeleton.flops_per_token(train.seq_len)))
@@ -168,6 +175,7 @@ def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
     # same weights, and no rank holds another stage's.
     parts = parts_of_rank(config.model, pc, dims.rank("pp"), train.seq_len)
     model = build_model(config.model, device, train.seed, keep=parts.__contains__)
+    clock.mark("model")
     stream_dtype = residual_stream_dtype(config.model, autocast_dtype(train.dtype, device))
     parallel = parallelize(model, dims, pc, device=device, seq_len=train.seq_len,
                            activation_checkpointing=train.activation_checkpointing,
@@ -175,6 +183,7 @@ def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
                            activation_offload_blocks=train.activation_offload_blocks,
                            recompute_chunks=train.recompute_chunks,
                            stream_dtype=stream_dtype)
+    clock.mark("parallelize")
     optimizer = build_optimizer(parallel.parameters(), train, device)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and train.dtype == "float16" else None
     # One global stream of rows in a fixed order, cut into micro-batches of dp x rows: replica r takes the
@@ -182,6 +191,7 @@ def _build_run(config: Config, device: torch.device, dataset, say) -> RunState:
     # any layout (gdn_parallel/data/stream.py).
     batches = TokenBatches.from_config(config.data, train.seq_len, train.microbatch_rows,
                                        dp_rank=dims.rank("dp"), dp_size=pc.dp, dataset=dataset)
+    clock.mark("optimizer + batches")
     return RunState(config=config, device=device, say=say, dims=dims, parallel=parallel, optimizer=optimizer,
                     schedule=schedule_from_config(train), scaler=scaler,
                     autocast_dtype=autocast_dtype(train.dtype, device), batches=batches, size=size)
@@ -317,7 +327,7 @@ def _saver(config: Config, dataset) -> CheckpointSaver | None:
                            timeout=timedelta(seconds=train.collective_timeout_s))
 
 
-def _progress_logger(run: RunState, resumed: bool) -> ProgressLogger:
+def _progress_logger(run: RunState, resumed: bool, setup_phases: dict | None = None) -> ProgressLogger:
     """Made after the checkpoint is loaded (its clock starts now); rank 0 writes the metrics."""
     train, is_main, world = run.config.train, dist.get_rank() == 0, dist.get_world_size()
     peak = peak_flops_per_s(train, run.device)
@@ -326,7 +336,7 @@ def _progress_logger(run: RunState, resumed: bool) -> ProgressLogger:
                                 peak_flops=None if peak is None else peak * world,
                                 out_dir=train.out_dir if is_main else "",
                                 log=run.config.log if is_main else None, run_config=run.config.to_dict(),
-                                first_step=run.start_step, append=resumed)
+                                first_step=run.start_step, append=resumed, setup_phases=setup_phases)
     logger = ProgressLogger(settings, run.device, run.say)
     logger.extras = lambda: _line_extras(run)
     return logger

@@ -238,6 +238,30 @@ def test_startup_line_splits_set_up_first_step_and_compilation(monkeypatch, laun
     assert logger.records[1]["startup"] is logger.startup and "startup" not in logger.records[0]
 
 
+def test_startup_line_names_the_set_up_phases(monkeypatch):
+    """PhaseClock's phases (run_setup marks them) follow the set-up in brackets, those under 0.05 s left
+    out; each mark closes the phase since the previous one, and a repeated name adds up."""
+    import gdn_parallel.train.progress as progress
+    from gdn_parallel.train.progress import PhaseClock
+    ticks = iter([10.0, 10.02, 12.0, 12.5, 13.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(progress, "process_age_s", lambda: 4.0)
+    phase = PhaseClock()
+    phase.mark("checks")          # 0.02 s: left out of the line
+    phase.mark("model")           # 1.98 s
+    phase.mark("data")            # 0.5 s
+    phase.mark("model")           # 0.5 s more
+    assert phase.phases == pytest.approx({"start": 4.0, "checks": 0.02, "model": 2.48, "data": 0.5})
+    clock = iter([100.0, 105.0, 106.0, 107.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    printed = []
+    logger = ProgressLogger(ProgressSettings(4, 2, 64, setup_phases=phase.phases), CPU, printed.append)
+    run_steps(logger, range(4))
+    startup = next(line for line in printed if line.startswith("startup | "))
+    assert "| set-up 4.0 s (start 4.0, model 2.5, data 0.5) |" in startup, startup
+    assert logger.startup["setup_phases"]["checks"] == pytest.approx(0.02)
+
+
 def test_process_age_is_read_on_linux():
     import sys
 
