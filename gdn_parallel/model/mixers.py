@@ -160,16 +160,37 @@ def _kda_architecture(config: ModelConfig) -> dict[str, object]:
 
 def _kda_activations(config: ModelConfig) -> tuple[float, float]:
     """Kept (bf16 under autocast but where said): the convolutions' inputs; the rule's q and k
-    (normalised) and v; the decay logits and the low-rank inputs of f_proj and g_proj; in fp32 the
-    decays, beta, the chunk factors W, U, the decayed keys and queries, the two decayed products of a
-    chunk and the chunk states; the output gate, the rule's output and its normed product. In the
-    backward: dq, dk, dv, the decay's gradient and a value-sized one. (Counted from the PyTorch chunk
-    form, whose autograd keeps every factor: kernels would keep less.)"""
-    HV, K, V, C = config.kda_v_heads, config.kda_head_dim, config.kda_head_v_dim, config.kda_chunk_size
+    (normalised) and v; the decay logits and the low-rank inputs of f_proj and g_proj; the output gate,
+    the rule's output and its normed product; and what the rule keeps, by the implementation that runs
+    on a GPU (the memory check runs there): the Triton kernels' (model.kda_impl auto or triton), or the
+    PyTorch chunk form's (chunk), whose autograd also keeps the per-channel terms of its decayed
+    products. In the backward: dq, dk, dv, the decay's gradient and a value-sized one, and the kernels'
+    own buffers. configs/kimi-1.3b.yaml on one H200 (tools/gpu_smoke.py): 69.9 GiB measured, 67 GiB
+    predicted; with model.kda_impl=chunk 292 GiB predicted (it ran out of the H200's 140)."""
+    HV, K, V = config.kda_v_heads, config.kda_head_dim, config.kda_head_v_dim
     key, value, decay = config.kda_num_heads * K, HV * V, HV * K
-    kept = (2 * (2 * key + value) * 2 + 2 * (decay + 2 * config.kda_head_v_dim)
-            + 4 * (decay + HV + 4 * HV * K + HV * V + 2 * HV * C + HV * K * V / C) + 2 * 3 * value)
-    return kept, 2 * (2 * key + value) + 4 * decay + 2 * value
+    layer = 2 * (2 * key + value) * 2 + 2 * (decay + 2 * config.kda_head_v_dim) + 2 * 3 * value
+    gradients = 2 * (2 * key + value) + 4 * decay + 2 * value
+    if config.kda_impl != "chunk":
+        # the kernels' backward buffers beside them: fp32 partial dq, dk and dG [K each], dP(Q) and
+        # dP(K) [64 each]; dDelta twice [V], dW [K] and the chunk states' gradients [K V / 64]
+        gradients += HV * (3 * 4 * K + 2 * 4 * 64 + 2 * 2 * V + 2 * K + 2 * K * V / 64)
+    return layer + _kda_rule_activations(config), gradients
+
+
+def _kda_rule_activations(config: ModelConfig) -> float:
+    """Bytes per token the rule itself keeps for its backward (see _kda_activations)."""
+    HV, K, V, C = config.kda_v_heads, config.kda_head_dim, config.kda_head_v_dim, config.kda_chunk_size
+    if config.kda_impl == "chunk":
+        # fp32: decays, beta, W, U, the decayed keys and queries, two decayed products and the chunk
+        # states; then each product's per-channel terms over its 16-token diagonal blocks (the masked
+        # exponents, their exp and the products before the sum: three [C, 16, K] tensors a chunk).
+        width = min(16, C)
+        return 4 * HV * (K + 1 + 4 * K + V + 2 * C + K * V / C) + 2 * 3 * 4 * HV * width * K
+    # gdn_kernels.kda (kernels/kda/__init__.py, _ChunkKDA's saved tensors): fp32 cumulative decays
+    # [K] and P(K) [64], in the input dtype T and scale P(Q) [64 each], W, K to the chunk's end, the
+    # decayed queries [K each], Delta [V] and the chunk-start states [K V / 64], fp32 beta.
+    return HV * (4 * K + 4 * 64 + 2 * 2 * 64 + 2 * 3 * K + 2 * V + 2 * K * V / 64 + 4)
 
 
 # As GDN's: q/k rows by q/k head, v/b rows, the decay's and the gate's second (head-sized) linears, conv

@@ -25,6 +25,10 @@ def h1(seq_len, *overrides):
 SHIPPED = [("gdn-0.4b", 51.6), ("gdn-1.3b", 59.2), ("h1-0.4b", 40.9), ("h1-1.3b", 52.5)]
 
 
+# The hybrids' configs, the smoke run on nvidia-h200-x2 (one GPU), 2026-11-28: KDA on its Triton kernels.
+SHIPPED += [("qwen3next-1.3b", 53.9), ("kimi-1.3b", 69.9)]
+
+
 @pytest.mark.parametrize("name, measured_gib", SHIPPED)
 def test_prediction_of_the_shipped_configs(name, measured_gib):
     predicted = predict_peak(Config.from_yaml(f"configs/{name}.yaml")).peak_gib
@@ -36,6 +40,14 @@ def test_prediction_is_within_its_error_of_the_measured_peak(seq_len, offload_bl
     config = h1(seq_len, "train.activation_offload=cpu", f"train.activation_offload_blocks={offload_blocks}")
     predicted = predict_peak(config).peak_gib
     assert abs(predicted / measured_gib - 1) < PREDICTION_ERROR, (seq_len, predicted, measured_gib)
+
+
+def test_kda_counts_the_implementation_that_runs_on_the_gpu():
+    """The PyTorch chunk form keeps its decayed products' per-channel terms: configs/kimi-1.3b.yaml with
+    model.kda_impl=chunk ran out of an H200's 140 GB at its batch, and is predicted so."""
+    kernels = predict_peak(Config.from_yaml("configs/kimi-1.3b.yaml")).peak_gib
+    chunk = predict_peak(Config.from_yaml("configs/kimi-1.3b.yaml", ["model.kda_impl=chunk"])).peak_gib
+    assert kernels < 80 < 140 < chunk, (kernels, chunk)
 
 
 def test_offload_moves_block_inputs_to_the_host():
