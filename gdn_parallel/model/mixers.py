@@ -170,7 +170,7 @@ def _kda_activations(config: ModelConfig) -> tuple[float, float]:
     HV, K, V = config.kda_v_heads, config.kda_head_dim, config.kda_head_v_dim
     key, value, decay = config.kda_num_heads * K, HV * V, HV * K
     layer = 2 * (2 * key + value) * 2 + 2 * (decay + 2 * config.kda_head_v_dim) + 2 * 3 * value
-    gradients = 2 * (2 * key + value) + 4 * decay + 2 * value
+    gradients: float = 2 * (2 * key + value) + 4 * decay + 2 * value
     if config.kda_impl != "chunk":
         # the kernels' backward buffers beside them: fp32 partial dq, dk and dG [K each], dP(Q) and
         # dP(K) [64 each]; dDelta twice [V], dW [K] and the chunk states' gradients [K V / 64]
