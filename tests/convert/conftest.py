@@ -1,11 +1,15 @@
 """Checkpoints of tiny models, each made once per session by our trainer (one step, so the optimizer
 slots are real), and helpers to read what a conversion wrote."""
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from gdn_parallel.convert.__main__ import main as convert
 from gdn_parallel.convert.dcp_io import read_tensors, resolve_checkpoint, tensor_entries
+from gdn_parallel.convert.hf_format import EMBEDDED
+from gdn_parallel.convert.safetensors_io import read_folder
 from gdn_parallel.train.__main__ import run
 
 TRAIN = ["--steps", "1", "--set", "train.seq_len=32", "--set", "train.batch_size=1", "--set",
@@ -79,6 +83,21 @@ def assert_same_tensors(first: dict, second: dict) -> None:
     assert sorted(first) == sorted(second)
     for name, value in first.items():
         assert value.dtype == second[name].dtype and torch.equal(value, second[name]), name
+
+
+def assert_fla_folder_converts_bit_exactly(fla_model, tmp_path: Path) -> None:
+    """fla's save_pretrained of `fla_model` (no config of ours embedded) converts into our checkpoint
+    and back to a folder with every tensor bit for bit, and the checkpoint holds fla's weights under
+    our names (fla's model is ours under `model.`, lm_head beside it)."""
+    fla_model.save_pretrained(tmp_path / "fla")
+    assert EMBEDDED not in json.loads((tmp_path / "fla" / "config.json").read_text())
+    assert convert(["from-hf", str(tmp_path / "fla"), str(tmp_path / "dcp")]) == 0
+    assert convert(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
+    expected = {k: v.detach() for k, v in fla_model.state_dict().items()}
+    assert_same_tensors(read_folder(tmp_path / "back"), expected)
+    model = {k[len("model."):]: v for k, v in all_tensors(tmp_path / "dcp").items() if k.startswith("model.")}
+    assert_same_tensors({("model." + k if k != "lm_head.weight" else k): v for k, v in model.items()},
+                        expected)
 
 
 def greedy_continuation(model, prompt: torch.Tensor, new_tokens: int, eos: int):

@@ -8,7 +8,6 @@ runs (tests/conftest.py turns it on without a GPU). fla's attention layers call 
 from flash-attn's documented semantics (causal; window_size=(left, 0) lets query i see keys
 i - left .. i; grouped KV heads; scale 1/sqrt(head_dim)), so fla's own projections, RoPE, head
 grouping and window setting (window_size - 1, 0) run around it."""
-import json
 from importlib.util import find_spec
 
 import pytest
@@ -16,10 +15,14 @@ import torch
 
 from gdn_parallel.convert import model_from_hf
 from gdn_parallel.convert.__main__ import main
-from gdn_parallel.convert.hf_format import EMBEDDED
 from gdn_parallel.convert.safetensors_io import read_folder
 
-from .conftest import all_tensors, assert_same_tensors, greedy_continuation, skip_unless_fla_generate_works
+from .conftest import (
+    assert_fla_folder_converts_bit_exactly,
+    assert_same_tensors,
+    greedy_continuation,
+    skip_unless_fla_generate_works,
+)
 
 for _package, _name in (("transformers", "transformers"), ("fla", "flash-linear-attention")):
     if find_spec(_package) is None:
@@ -111,15 +114,7 @@ def test_a_folder_written_by_fla_converts_bit_exactly(tmp_path):
                                         vocab_size=256, use_gate=False, hidden_ratio=2)
     torch.manual_seed(0)
     fla_model = models.GatedDeltaNetForCausalLM(config)
-    fla_model.save_pretrained(tmp_path / "fla")
-    assert EMBEDDED not in json.loads((tmp_path / "fla" / "config.json").read_text())
-    assert main(["from-hf", str(tmp_path / "fla"), str(tmp_path / "dcp")]) == 0
-    assert main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
-    expected = {k: v.detach() for k, v in fla_model.state_dict().items()}
-    assert_same_tensors(read_folder(tmp_path / "back"), expected)
-    model = {k[len("model."):]: v for k, v in all_tensors(tmp_path / "dcp").items() if k.startswith("model.")}
-    assert_same_tensors({("model." + k if k != "lm_head.weight" else k): v for k, v in model.items()},
-                        expected)
+    assert_fla_folder_converts_bit_exactly(fla_model, tmp_path)
 
 
 def test_transformers_generation_from_a_bpe_export_is_our_greedy_continuation(bpe_checkpoint, tmp_path,

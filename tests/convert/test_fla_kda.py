@@ -22,7 +22,7 @@ from gdn_parallel.convert.hf_format import EMBEDDED, derived_model_config, hf_co
 from gdn_parallel.convert.safetensors_io import read_folder
 from gdn_parallel.model import KimiDeltaAttention
 
-from .conftest import all_tensors, assert_same_tensors
+from .conftest import assert_fla_folder_converts_bit_exactly, assert_same_tensors
 
 for _package, _name in (("transformers", "transformers"), ("fla", "flash-linear-attention")):
     if find_spec(_package) is None:
@@ -115,15 +115,7 @@ def test_a_kda_folder_written_by_fla_converts_bit_exactly_and_gives_fla_logits(t
                               vocab_size=256, hidden_ratio=2, allow_neg_eigval=True, initializer_range=0.1)
     torch.manual_seed(0)
     fla_model = models.KDAForCausalLM(config)
-    fla_model.save_pretrained(tmp_path / "fla")
-    assert EMBEDDED not in json.loads((tmp_path / "fla" / "config.json").read_text())
-    assert main(["from-hf", str(tmp_path / "fla"), str(tmp_path / "dcp")]) == 0
-    assert main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
-    expected = {k: v.detach() for k, v in fla_model.state_dict().items()}
-    assert_same_tensors(read_folder(tmp_path / "back"), expected)
-    model = {k[len("model."):]: v for k, v in all_tensors(tmp_path / "dcp").items() if k.startswith("model.")}
-    assert_same_tensors({("model." + k if k != "lm_head.weight" else k): v for k, v in model.items()},
-                        expected)
+    assert_fla_folder_converts_bit_exactly(fla_model, tmp_path)
 
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
