@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_index import copy_to_device
+from .host_index import packed_on_device
 
 
 @dataclass
@@ -87,8 +87,8 @@ def build_layout(doc_lengths: list, chunk_size: int, device) -> ChunkLayout:
         chunk_cursor += n
         source_row += length
     token_dest = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.long)
-    # one host-to-device copy for both tables: each copy from pageable memory waits for the GPU
-    both = copy_to_device(torch.cat([token_dest, torch.tensor(rows, dtype=torch.long).reshape(-1)]), device)
-    total = token_dest.numel()
-    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size, both[:total],
-                       both[total:].view(chunk_cursor, 2), first, counts, list(doc_lengths))
+    # one host-to-device copy for both tables (each copy from pageable memory waits for the GPU), each
+    # 16-byte aligned
+    token_dest, chunk_rows = packed_on_device([token_dest, rows], torch.long, device)
+    return ChunkLayout(chunk_size, len(doc_lengths), chunk_cursor * chunk_size, token_dest,
+                       chunk_rows.view(chunk_cursor, 2), first, counts, list(doc_lengths))

@@ -39,3 +39,27 @@ def copy_to_device(host: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+ALIGN_BYTES = 16   # Triton specializes a pointer argument on 16-byte alignment: one compiled variant each way
+
+
+def packed_on_device(parts: list, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Several host index arrays in one host-to-device copy, each returned as its own 1-D view that
+    starts 16-byte aligned. Slices at offsets that depend on the data (the number of documents in a
+    step) would be aligned at some steps and not at others, and every kernel taking them would be
+    compiled again in the middle of training, seconds a kernel (docs/kernels.md)."""
+    step = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    host = [torch.as_tensor(part, dtype=dtype).reshape(-1) for part in parts]
+    padded = [-(-t.numel() // step) * step for t in host]
+    flat = torch.zeros(sum(padded), dtype=dtype)
+    offset = 0
+    for t, width in zip(host, padded):
+        flat[offset:offset + t.numel()] = t
+        offset += width
+    flat = copy_to_device(flat, device)
+    views, offset = [], 0
+    for t, width in zip(host, padded):
+        views.append(flat[offset:offset + t.numel()])
+        offset += width
+    return views

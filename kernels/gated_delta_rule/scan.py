@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host_index import copy_to_device
+from ..host_index import packed_on_device
 
 
 @dataclass
@@ -49,8 +49,7 @@ def plan_scan(doc_first: list, doc_count: list, device, span_chunks: int) -> Sca
     if span_chunks == 0:
         span_chunks = max(8, math.isqrt(max(longest - 1, 0)) + 1)
     if span_chunks < 0 or longest < 2 * span_chunks:  # too short to gain from spans
-        table = copy_to_device(torch.tensor([doc_first, doc_count], dtype=torch.int32), device)
-        return ScanPlan(table[0], table[1])
+        return ScanPlan(*packed_on_device([doc_first, doc_count], torch.int32, device))
     span_first: list[int] = []
     span_count: list[int] = []
     doc_span_first: list[int] = []
@@ -61,12 +60,9 @@ def plan_scan(doc_first: list, doc_count: list, device, span_chunks: int) -> Sca
             span_first.append(first + offset)
             span_count.append(min(span_chunks, count - offset))
         doc_span_count.append(len(span_first) - doc_span_first[-1])
-    # One host-to-device copy for the whole plan.
-    flat = copy_to_device(torch.tensor(doc_first + doc_count + span_first + span_count + doc_span_first
-                                       + doc_span_count, dtype=torch.int32), device)
-    N, S = len(doc_first), len(span_first)
-    parts = flat.split([N, N, S, S, N, N])
-    return ScanPlan(*parts)
+    # One host-to-device copy for the whole plan, each table 16-byte aligned whatever N and S are.
+    return ScanPlan(*packed_on_device([doc_first, doc_count, span_first, span_count, doc_span_first,
+                                       doc_span_count], torch.int32, device))
 
 
 def fold(summary: torch.Tensor, plan: ScanPlan, state0: torch.Tensor | None, V: int, reverse: bool,
