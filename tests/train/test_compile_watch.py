@@ -48,3 +48,34 @@ def test_logger_records_and_says_a_compilation_after_start_up():
     notes = [line for line in printed if line.startswith("note")]
     assert notes == ["note  | step 5: 1 Triton kernel compilations (state_forward 1) since the last line "
                      "(seconds of this interval)"]   # step 1's is start-up's, said by the startup line
+
+
+def test_a_kernel_compiled_again_says_which_argument_changed(monkeypatch):
+    """Triton's hook gives constexprs and specializations keyed by argument index: the watch names the
+    argument whose variant changed (here a pointer that lost its 16-byte alignment, and a flag)."""
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    jit = type("Jit", (), {"arg_names": ["k", "doc_count", "Tp", "HAS_H0"]})()
+    fn = type("Info", (), {"name": "state_forward", "jit_function": jit})()
+
+    def compiled(aligned: bool, has_h0: bool) -> dict:
+        attrs = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+        if aligned:
+            attrs[(1,)] = [["tt.divisibility", 16]]
+        return {"signature": {"k": "*bf16", "doc_count": "*i32", "Tp": "i32", "HAS_H0": "constexpr"},
+                "constants": {(3,): has_h0}, "configs": [attrs]}
+
+    watch = CompileWatch()
+    try:
+        hook = knobs.runtime.jit_post_compile_hook
+        for aligned, has_h0 in ((True, False), (True, False), (False, True)):
+            hook(key=None, repr="", fn=fn, compile=compiled(aligned, has_h0), is_manual_warmup=False,
+                 already_compiled=False)
+        events = watch.take()
+        why = events["recompiled"]["state_forward"]
+        assert why == "HAS_H0 False -> True; doc_count specialization [['tt.divisibility', 16]] -> none"
+        assert "state_forward again for HAS_H0 False -> True" in describe(events)
+        assert "recompiled" not in watch.take()     # said once, for the interval it happened in
+    finally:
+        watch.close()
