@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import signal
 import sys
 from collections.abc import Callable
 from importlib import resources
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..config import Config, ConfigError, parse_override
+from ..runtime.compile_workers import stop_compile_workers_and_say
 from .commented_config import commented_yaml, fields_table, section_names, sections_overview
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
@@ -204,8 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: 0 on success; an expected failure exits with its status (module docstring)."""
     if not faulthandler.is_enabled():  # a rank killed by a signal (a native crash) prints its Python stacks
         faulthandler.enable(all_threads=True)
-    run(argv)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: a rank that seems stuck prints its stacks, runs on
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+        run(argv)
+    finally:   # the job's end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
+        stop_compile_workers_and_say(COMPILE_WORKERS_STOP_S, _say_first)
     return 0
+
+
+COMPILE_WORKERS_STOP_S = 10.0
+
+
+def _say_first(line: str) -> None:
+    if _is_first_process():
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

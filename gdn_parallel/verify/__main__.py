@@ -44,6 +44,7 @@ import torch
 from ..config import Config, ConfigError, creation_problem
 from ..model import check_kernels
 from ..runtime import detect_launch_env, process_group, strip_launcher_args
+from ..runtime.compile_workers import stop_compile_workers_and_say
 from .batches import MIN_ROW_TOKENS, verification_batch
 from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointSettings, shared_directory
 from .layout_run import FAULT_KINDS
@@ -134,6 +135,22 @@ class VerifyRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _verify(argv)
+    finally:   # the end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
+        stop_compile_workers_and_say(COMPILE_WORKERS_STOP_S, _say_if_first)
+
+
+COMPILE_WORKERS_STOP_S = 10.0
+
+
+def _say_if_first(line: str) -> None:
+    launch = detect_launch_env()
+    if launch is None or launch.rank == 0:
+        print(line, flush=True)
+
+
+def _verify(argv: list[str] | None) -> int:
     if not faulthandler.is_enabled():  # a rank killed by a signal prints its Python stacks
         faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(strip_launcher_args(sys.argv[1:] if argv is None else argv))

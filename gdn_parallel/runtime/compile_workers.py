@@ -1,0 +1,52 @@
+"""torch.compile's worker processes, stopped within a bound when a job's work is done.
+
+Inductor compiles kernels in worker processes: a helper process per rank with up to 32 workers under
+it, kept until the interpreter exits. At exit torch asks the helper to stop and waits up to 300 s for
+it; torch's own tracker has a report of that wait running out after a cold start. Our 1M config on 4
+H200s from cold caches (2026-11-28) printed its summary and its last save, then sat over 110 s before
+its ranks ended (the device call's limit killed them); the same job with warm caches, whose ranks
+compile nothing, has ended within seconds. So the command-line jobs stop the workers themselves once
+their work is done: the same request torch makes, waited for `limit_s`, then the helper is killed.
+Nothing is lost by the kill: compiled kernels are in the caches on disk, and the workers end themselves
+once their parent is gone. The seconds are reported so that a slow end shows where it went.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+def stop_compile_workers(limit_s: float) -> tuple[float, int]:
+    """(seconds taken, helper processes killed): torch.compile's worker pools of this process stopped.
+    (0.0, 0) when there are none (nothing was compiled, or this torch keeps no such pools)."""
+    try:
+        from torch._inductor import async_compile
+    except ImportError:
+        return 0.0, 0
+    pools = list(getattr(async_compile, "_pool_set", ()))
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if not pools or shutdown is None:
+        return 0.0, 0
+    helpers = [pool.process for pool in pools if getattr(pool, "process", None) is not None]
+    began = time.perf_counter()
+    stopper = threading.Thread(target=shutdown, name="stop-compile-workers", daemon=True)
+    stopper.start()
+    stopper.join(limit_s)
+    killed = 0
+    if stopper.is_alive():
+        for helper in helpers:
+            if helper.poll() is None:
+                helper.kill()
+                killed += 1
+        stopper.join(5.0)   # torch's wait for the helper returns once it is gone
+    return time.perf_counter() - began, killed
+
+
+def stop_compile_workers_and_say(limit_s: float, say) -> None:
+    """stop_compile_workers, with one line through `say` when it took a noticeable time or had to kill."""
+    seconds, killed = stop_compile_workers(limit_s)
+    if killed:
+        say(f"end   | torch.compile's worker processes did not stop within {limit_s:g} s of being asked: "
+            f"killed {killed} (compiled kernels are cached on disk; nothing is lost)")
+    elif seconds >= 1.0:
+        say(f"end   | torch.compile's worker processes stopped in {seconds:.1f} s")
