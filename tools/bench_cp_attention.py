@@ -7,9 +7,14 @@ Every rank runs the op the model's full-attention layers run under cp (`ops.atte
 the row's CPContext: the K/V all-gather, and under zigzag the query blocks' all-to-all there and the
 outputs' back) forward and backward on random inputs, `--iters` times after `--warmup` (FlexAttention
 compiles on the first call), timed with CUDA events on its own device. The contiguous split gives rank
-r (2r + 1) / n² of the row's query-key pairs (one document); zigzag gives every rank 1/n. Printed per
-split: each rank's median milliseconds, the slowest over the mean (1.0 is balanced) and the slowest
-rank's time, which is what a step waits for. JSON to --out (rank 0).
+r (2r + 1) / n² of the row's query-key pairs (one document); zigzag gives every rank 1/n.
+
+Two times per rank and split. `step`: the whole op, collectives included; the ranks wait for each
+other inside it (the backward's K/V gradient reduction), so every rank reads the slowest rank's time,
+which is what a training step waits for. `own`: this rank's attention alone (forward + backward of
+the masked attention on the queries it computes and the gathered keys, captured from one call of the
+op), with no collective inside, so the ranks' times differ by their share of the work: its slowest
+over the mean is the balance (1.0: balanced). JSON to --out (rank 0).
 
 On CPU (gloo, `--device cpu`) the same runs with impl sdpa at any small size: the plumbing only (sdpa
 computes the whole masked matrix, so both splits cost alike there).
@@ -33,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from gdn_parallel.comm import CPContext  # noqa: E402
 from gdn_parallel.ops.attention import attention  # noqa: E402
+from gdn_parallel.ops.attention import cp as cp_attention_module  # noqa: E402
 
 SPLITS = ("contiguous", "zigzag")
 
@@ -70,15 +76,21 @@ def measure(rank: int, world: int, args) -> dict:
     for split in SPLITS:
         cp = CPContext.build(dist.group.WORLD, cu, args.tokens_per_rank, attention_split=split, device=device)
         memo: dict = {}
-        samples = []
+        step, own = [], []
         for i in range(args.warmup + args.iters):
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             dist.barrier()
             elapsed = _timed(device, functools.partial(_step, leaves, do, cp, impl, memo))
             cp.finish()
             if i >= args.warmup:
-                samples.append(elapsed)
-        times[split] = samples
+                step.append(elapsed)
+        inputs = _own_work_inputs(q, k, v, cp, impl, memo)
+        for i in range(args.warmup + args.iters):
+            dist.barrier()
+            elapsed = _timed(device, functools.partial(_own_work, inputs))
+            if i >= args.warmup:
+                own.append(elapsed)
+        times[split] = {"step": step, "own": own}
     return times
 
 
@@ -86,6 +98,36 @@ def _step(leaves, do, cp, impl: str, memo: dict) -> None:
     q, k, v = leaves
     o = attention(q, k, v, causal=True, impl=impl, cp=cp, memo=memo)
     o.backward(do)
+
+
+def _own_work_inputs(q, k, v, cp, impl: str, memo: dict) -> dict:
+    """The arguments of this rank's masked attention in one call of the op under cp (its queries, the
+    gathered keys and values, their indices and documents), and an output gradient of its shape."""
+    captured: dict = {}
+    real = cp_attention_module.masked_attention
+
+    def spy(q_, k_, v_, **kwargs):
+        captured.update(q=q_.detach(), k=k_.detach(), v=v_.detach(), kwargs=kwargs)
+        return real(q_, k_, v_, **kwargs)
+
+    cp_attention_module.masked_attention = spy
+    try:
+        with torch.no_grad():
+            attention(q, k, v, causal=True, impl=impl, cp=cp, memo=memo)
+        cp.finish()
+    finally:
+        cp_attention_module.masked_attention = real
+    gen = torch.Generator().manual_seed(99)
+    captured["do"] = torch.randn(captured["q"].shape, generator=gen).to(q)
+    return captured
+
+
+def _own_work(inputs: dict) -> None:
+    leaves = [inputs[name].requires_grad_() for name in ("q", "k", "v")]
+    o = cp_attention_module.masked_attention(*leaves, **inputs["kwargs"])
+    o.backward(inputs["do"])
+    for leaf in leaves:
+        leaf.grad = None
 
 
 def _timed(device: torch.device, fn) -> float:
@@ -102,21 +144,24 @@ def _timed(device: torch.device, fn) -> float:
 
 
 def summarize(per_rank: list[dict]) -> dict:
-    """{split: {"ms_per_rank", "slowest_over_mean", "slowest_ms"}} from every rank's samples."""
+    """{split: {"step_ms_per_rank", "step_slowest_ms", "own_ms_per_rank", "own_slowest_over_mean"}}
+    from every rank's samples (medians)."""
     report = {}
     for split in SPLITS:
-        medians = [statistics.median(times[split]) for times in per_rank]
-        mean = statistics.fmean(medians)
-        report[split] = {"ms_per_rank": medians, "slowest_over_mean": max(medians) / mean,
-                         "slowest_ms": max(medians)}
+        step = [statistics.median(times[split]["step"]) for times in per_rank]
+        own = [statistics.median(times[split]["own"]) for times in per_rank]
+        report[split] = {"step_ms_per_rank": step, "step_slowest_ms": max(step),
+                         "own_ms_per_rank": own, "own_slowest_over_mean": max(own) / statistics.fmean(own)}
     return report
 
 
 def table(report: dict) -> str:
-    lines = ["| split | ms per rank (fwd + bwd) | slowest / mean | slowest ms |", "|---|---|---|---|"]
+    lines = ["| split | step ms (slowest rank) | own ms per rank (fwd + bwd) | own: slowest / mean |",
+             "|---|---|---|---|"]
     for split, row in report.items():
-        ranks = ", ".join(f"{ms:.2f}" for ms in row["ms_per_rank"])
-        lines.append(f"| {split} | {ranks} | {row['slowest_over_mean']:.3f} | {row['slowest_ms']:.2f} |")
+        ranks = ", ".join(f"{ms:.2f}" for ms in row["own_ms_per_rank"])
+        balance = row["own_slowest_over_mean"]
+        lines.append(f"| {split} | {row['step_slowest_ms']:.2f} | {ranks} | {balance:.3f} |")
     return "\n".join(lines)
 
 
