@@ -8,6 +8,8 @@
 #   bash tools/gpu_acceptance.sh scaling   (tools/bench_scaling.py: dp, cp, cp-allgather, tp at 1, 2, 4 GPUs;
 #                                           scaling_profile: 1 and 2 GPUs with a profiled step, every rank's trace)
 #   bash tools/gpu_acceptance.sh hybrids   (2 GPUs: gdn-verify bf16 of configs/qwen3next-1.3b and kimi-1.3b)
+#   bash tools/gpu_acceptance.sh hybrids_long (both at 256K tokens with cp 2: two GPUs each; on 2 GPUs
+#                                           one after the other, or those named in HYBRID_CONFIGS)
 #   bash tools/gpu_acceptance.sh nodes     (tools/bench_nodes.py: 2 simulated nodes, NCCL over sockets or not)
 #   bash tools/gpu_acceptance.sh zigzag    (full attention's time per rank under cp, contiguous against zigzag)
 #   bash tools/gpu_acceptance.sh kda       (KDA's GPU tests, its fla export's, tools/bench_kda.py against fla-core:
@@ -23,6 +25,10 @@
 #    fla-core (when importable) at the configs' batch of 8.
 # Needs the project importable (pip install --no-deps --no-build-isolation -e .).
 set -u
+# stopped (a device call's own timeout, or a `timeout` around this script): stop every job it started,
+# whose drivers then kill their torchrun jobs. Left running, they held the GPUs: the next call's jobs
+# shared them and died out of memory (2026-11-27 and 2026-11-28).
+trap 'trap - TERM INT; kill -TERM 0' TERM INT
 out=${OUT:-runs/gpu_acceptance}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -42,6 +48,9 @@ step() {  # name, seconds, command...
     echo "== $name: exit $? in $((SECONDS - start)) s"
 }
 parts=${*:-smoke tests bench}
+# the GPUs this run may use: CUDA_VISIBLE_DEVICES's list when set (parts side by side on one machine)
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
+else mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader); fi
 if [[ " $parts " == *" smoke "* ]]; then
     step smoke 300 python3 tools/gpu_smoke.py --timeout 120 --out "$out"
     grep -A8 "steps per config" "$out/smoke.log"
@@ -142,12 +151,18 @@ if [[ " $parts " == *" kda "* ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
             .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
     fi
-    bench_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
-    CUDA_VISIBLE_DEVICES=0 step kda_tests 560 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf -s \
-        tests/kernels/test_kda_triton.py tests/convert/test_fla_kda_gpu.py &
-    CUDA_VISIBLE_DEVICES=$bench_gpu step bench_kda 560 python3 tools/bench_kda.py --out "$out/bench_kda.json" &
+    # the tests on the first GPU given (CUDA_VISIBLE_DEVICES, else the machine's), the benchmark on the
+    # second: one shape a process, so that fla-core's minutes of autotuning at K = 256 cost only that row
+    bench_gpu=${gpus[1]:-${gpus[0]}}
+    CUDA_VISIBLE_DEVICES=${gpus[0]} step kda_tests 560 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        -rf -s tests/kernels/test_kda_triton.py tests/convert/test_fla_kda_gpu.py &
+    (for shape in 16:128:8:4096 16:64:8:4096 16:256:8:4096; do
+        CUDA_VISIBLE_DEVICES=$bench_gpu step "bench_kda_${shape//:/_}" 300 python3 tools/bench_kda.py \
+            --shapes "$shape" --out "$out/bench_kda_${shape//:/_}.json"
+    done) &
     wait
-    tail -12 "$out/kda_tests.log"; grep -v '^{' "$out/bench_kda.log" | tail -20
+    tail -12 "$out/kda_tests.log"
+    for log in "$out"/bench_kda_*.log; do grep -v '^{' "$log" | tail -6; done
 fi
 # Several nodes simulated on one host (issue 42): one torchrun agent a node, NCCL over the machine's links
 # and over TCP sockets; 2 x 1 on 2 GPUs, 2 x 2 on 4.
@@ -169,13 +184,30 @@ if [[ " $parts " == *" hybrids "* ]]; then
         tail -16 "$out/verify_$config.log"
     done
 fi
+# The seeds' other hybrids at 256K tokens with cp 2 (issue 43): each config on two GPUs (side by side on 4),
+# 8 steps on documents of many lengths, full checkpointing, every step logged; metrics.jsonl kept.
+if [[ " $parts " == *" hybrids_long "* ]]; then
+    step hybrids_data 300 python3 tools/multi_gpu_acceptance.py --out "$out/multi" --work runs/multi_gpu_work data
+    long_run() {  # config, GPUs
+        CUDA_VISIBLE_DEVICES=$2 step "long_$1" 420 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+            -m gdn_parallel.train --config "configs/$1.yaml" --set train.seq_len=262144 --set train.batch_size=1 \
+            --set train.microbatch_size=1 --set train.activation_checkpointing=full --set parallel.cp=2 \
+            --set train.steps=8 --set train.log_every=1 --set train.warmup_steps=2 --set train.eval_rows=2 \
+            --set data.source=runs/multi_gpu_work/stdlib_docs --set "train.out_dir=runs/hybrids_long/$1"
+        cp "runs/hybrids_long/$1/metrics.jsonl" "$out/long_$1.metrics.jsonl"
+        grep -E "step +[0-9]+|tokens/s|set-up" "$out/long_$1.log" | tail -12
+    }
+    pair1=${gpus[0]},${gpus[1]}
+    if (( ${#gpus[@]} >= 4 )); then
+        long_run qwen3next-1.3b "$pair1" & long_run kimi-1.3b "${gpus[2]},${gpus[3]}" & wait
+    else
+        for config in ${HYBRID_CONFIGS:-qwen3next-1.3b kimi-1.3b}; do long_run "$config" "$pair1"; done
+    fi
+fi
 # The multi-GPU acceptance (issue 41): gdn-verify --checkpoint bf16 over every default layout, the
 # long-context config across an asynchronous save and resumed from it, the restart drill. On 4 GPUs the
 # 2-GPU legs run side by side (verify and the drill on GPUs 0,1; the 256K config on 2,3).
 if [[ " $parts " == *" multi"* ]]; then
-    # stopped (a device call's own timeout): stop every leg, whose drivers then kill their torchrun jobs
-    # (left running, they held the GPUs, and the next call's first job died out of memory)
-    trap 'trap - TERM INT; kill -TERM 0' TERM INT
     M=(python3 tools/multi_gpu_acceptance.py --out "$out/multi" --work runs/multi_gpu_work)
     n=$(nvidia-smi -L | wc -l)
     step multi_data 300 "${M[@]}" data
