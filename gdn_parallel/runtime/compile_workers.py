@@ -12,6 +12,7 @@ once their parent is gone. The seconds are reported so that a slow end shows whe
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -19,9 +20,8 @@ import time
 def stop_compile_workers(limit_s: float) -> tuple[float, int]:
     """(seconds taken, helper processes killed): torch.compile's worker pools of this process stopped.
     (0.0, 0) when there are none (nothing was compiled, or this torch keeps no such pools)."""
-    try:
-        from torch._inductor import async_compile
-    except ImportError:
+    async_compile = sys.modules.get("torch._inductor.async_compile")   # not imported: nothing compiled
+    if async_compile is None:
         return 0.0, 0
     pools = list(getattr(async_compile, "_pool_set", ()))
     shutdown = getattr(async_compile, "shutdown_compile_workers", None)
