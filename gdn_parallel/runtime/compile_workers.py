@@ -17,16 +17,18 @@ import threading
 import time
 
 
-def stop_compile_workers(limit_s: float) -> tuple[float, int]:
-    """(seconds taken, helper processes killed): torch.compile's worker pools of this process stopped.
-    (0.0, 0) when there are none (nothing was compiled, or this torch keeps no such pools)."""
+def stop_compile_workers(limit_s: float) -> tuple[float, int, bool]:
+    """(seconds taken, helper processes killed, stopped): torch.compile's worker pools of this process
+    stopped. (0.0, 0, True) when there are none (nothing was compiled, or this torch keeps no such
+    pools). Not stopped: a pool of another kind (no helper process to kill) did not return in time;
+    it is left to torch's own stop at exit."""
     async_compile = sys.modules.get("torch._inductor.async_compile")   # not imported: nothing compiled
     if async_compile is None:
-        return 0.0, 0
+        return 0.0, 0, True
     pools = list(getattr(async_compile, "_pool_set", ()))
     shutdown = getattr(async_compile, "shutdown_compile_workers", None)
     if not pools or shutdown is None:
-        return 0.0, 0
+        return 0.0, 0, True
     helpers = [pool.process for pool in pools if getattr(pool, "process", None) is not None]
     began = time.perf_counter()
     stopper = threading.Thread(target=shutdown, name="stop-compile-workers", daemon=True)
@@ -38,14 +40,18 @@ def stop_compile_workers(limit_s: float) -> tuple[float, int]:
             if helper.poll() is None:
                 helper.kill()
                 killed += 1
-        stopper.join(5.0)   # torch's wait for the helper returns once it is gone
-    return time.perf_counter() - began, killed
+        if killed:
+            stopper.join(5.0)   # torch's wait for the helper returns once it is gone
+    return time.perf_counter() - began, killed, not stopper.is_alive()
 
 
 def stop_compile_workers_and_say(limit_s: float, say) -> None:
     """stop_compile_workers, with one line through `say` when it took a noticeable time or had to kill."""
-    seconds, killed = stop_compile_workers(limit_s)
-    if killed:
+    seconds, killed, stopped = stop_compile_workers(limit_s)
+    if not stopped:
+        say(f"end   | torch.compile's worker processes did not stop within {limit_s:g} s of being asked; "
+            f"torch stops them at exit (up to 300 s)")
+    elif killed:
         say(f"end   | torch.compile's worker processes did not stop within {limit_s:g} s of being asked: "
             f"killed {killed} (compiled kernels are cached on disk; nothing is lost)")
     elif seconds >= 1.0:

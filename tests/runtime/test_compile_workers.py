@@ -2,6 +2,7 @@
 helper process killed when torch's own stop does not return (as torch waits: on the helper's exit)."""
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -37,16 +38,16 @@ def pool_of(monkeypatch):
 def test_a_helper_that_does_not_stop_is_killed_after_the_bound(pool_of):
     pool = pool_of(obeys=False)
     began = time.perf_counter()
-    seconds, killed = stop_compile_workers(0.5)
-    assert killed == 1
+    seconds, killed, stopped = stop_compile_workers(0.5)
+    assert killed == 1 and stopped
     assert pool.process.poll() is not None, "the helper still runs"
     assert 0.5 <= seconds < 10 and time.perf_counter() - began < 10
 
 
 def test_a_helper_that_stops_is_not_killed(pool_of):
     pool = pool_of(obeys=True)
-    seconds, killed = stop_compile_workers(30.0)
-    assert killed == 0 and pool.process.poll() is not None and seconds < 30
+    seconds, killed, stopped = stop_compile_workers(30.0)
+    assert killed == 0 and stopped and pool.process.poll() is not None and seconds < 30
 
 
 def test_the_kill_is_said_and_a_quick_stop_is_not(pool_of):
@@ -61,4 +62,22 @@ def test_the_kill_is_said_and_a_quick_stop_is_not(pool_of):
 
 def test_nothing_compiled_nothing_to_stop(monkeypatch):
     monkeypatch.setattr(async_compile, "_pool_set", set())
-    assert stop_compile_workers(1.0) == (0.0, 0)
+    assert stop_compile_workers(1.0) == (0.0, 0, True)
+
+
+def test_a_pool_without_a_helper_to_kill_is_left_to_torch_and_said(monkeypatch):
+    release = threading.Event()
+
+    class ThreadPool:   # a pool of another kind: no helper process
+        def shutdown(self):
+            release.wait(30)
+
+    pool = ThreadPool()
+    monkeypatch.setattr(async_compile, "_pool_set", {pool})
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", pool.shutdown)
+    lines = []
+    try:
+        stop_compile_workers_and_say(0.2, lines.append)
+    finally:
+        release.set()
+    assert len(lines) == 1 and "did not stop within 0.2 s" in lines[0] and "at exit" in lines[0]
