@@ -14,6 +14,7 @@
 #   bash tools/gpu_acceptance.sh zigzag    (full attention's time per rank under cp, contiguous against zigzag)
 #   bash tools/gpu_acceptance.sh kda       (KDA's GPU tests, its fla export's, tools/bench_kda.py against fla-core:
 #                                           carry fla-core's wheels in .whl/, see the part below)
+#   bash tools/gpu_acceptance.sh kda_ab    (tools/bench_kda.py of this tree against .bench_baseline's, one GPU)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
 #                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
@@ -163,6 +164,25 @@ if [[ " $parts " == *" kda "* ]]; then
     wait
     tail -12 "$out/kda_tests.log"
     for log in "$out"/bench_kda_*.log; do grep -v '^{' "$log" | tail -6; done
+fi
+# KDA kernels of this tree against another's (.bench_baseline: git archive of a ref, as for `ab`), one
+# GPU, the same shapes one after the other in one call; fla-core beside ours in this tree's run when
+# its wheels were carried (.whl/, see `kda`).
+if [[ " $parts " == *" kda_ab "* ]]; then
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
+            .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
+    fi
+    for shape in 16:128:8:4096 16:64:8:4096; do
+        tag=${shape//:/_}
+        (cd .bench_baseline && mkdir -p runs/pythonpath && ln -sfn "$PWD/kernels" runs/pythonpath/gdn_kernels &&
+         PYTHONPATH="$PWD/runs/pythonpath:$PWD" CUDA_VISIBLE_DEVICES=${gpus[0]} timeout 240 python3 tools/bench_kda.py \
+             --no-fla --shapes "$shape" --out "$out/bench_kda_baseline_$tag.json" > "$out/bench_kda_baseline_$tag.log" 2>&1)
+        CUDA_VISIBLE_DEVICES=${gpus[0]} step "bench_kda_$tag" 300 python3 tools/bench_kda.py --shapes "$shape" \
+            --out "$out/bench_kda_$tag.json"
+        echo "-- $shape: baseline"; grep -v '^{' "$out/bench_kda_baseline_$tag.log" | tail -3
+        echo "-- $shape: this tree"; grep -v '^{' "$out/bench_kda_$tag.log" | tail -3
+    done
 fi
 # Several nodes simulated on one host (issue 42): one torchrun agent a node, NCCL over the machine's links
 # and over TCP sockets; 2 x 1 on 2 GPUs, 2 x 2 on 4.
