@@ -206,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: 0 on success; an expected failure exits with its status (module docstring)."""
     if not faulthandler.is_enabled():  # a rank killed by a signal (a native crash) prints its Python stacks
         faulthandler.enable(all_threads=True)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: a rank that seems stuck prints its stacks, runs on
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    _stacks_on_sigusr1()
     try:
         run(argv)
     finally:   # the job's end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
@@ -216,6 +215,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 COMPILE_WORKERS_STOP_S = 10.0
+
+
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>`: a rank that seems stuck prints its Python stacks and runs on. Not where there
+    is no SIGUSR1 (Windows) or stderr has no file descriptor (captured, as by pytest's capsys)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):   # io.UnsupportedOperation is both of the last two
+        pass
 
 
 def _say_first(line: str) -> None:
