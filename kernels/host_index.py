@@ -52,14 +52,6 @@ def packed_on_device(parts: list, dtype: torch.dtype, device) -> list[torch.Tens
     step = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
     host = [torch.as_tensor(part, dtype=dtype).reshape(-1) for part in parts]
     padded = [-(-t.numel() // step) * step for t in host]
-    flat = torch.zeros(sum(padded), dtype=dtype)
-    offset = 0
-    for t, width in zip(host, padded):
-        flat[offset:offset + t.numel()] = t
-        offset += width
-    flat = copy_to_device(flat, device)
-    views, offset = [], 0
-    for t, width in zip(host, padded):
-        views.append(flat[offset:offset + t.numel()])
-        offset += width
-    return views
+    flat = torch.cat([torch.cat([t, t.new_zeros(width - t.numel())]) for t, width in zip(host, padded)])
+    pieces = copy_to_device(flat, device).split(padded)
+    return [piece[:t.numel()] for piece, t in zip(pieces, host)]
