@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+STOP_LIMIT_S = 10.0   # how long a job's end waits for the workers before it kills their helper
+
 
 def stop_compile_workers(limit_s: float) -> tuple[float, int, bool]:
     """(seconds taken, helper processes killed, stopped): torch.compile's worker pools of this process
@@ -45,7 +47,7 @@ def stop_compile_workers(limit_s: float) -> tuple[float, int, bool]:
     return time.perf_counter() - began, killed, not stopper.is_alive()
 
 
-def stop_compile_workers_and_say(limit_s: float, say) -> None:
+def stop_compile_workers_and_say(say, limit_s: float = STOP_LIMIT_S) -> None:
     """stop_compile_workers, with one line through `say` when it took a noticeable time or had to kill."""
     seconds, killed, stopped = stop_compile_workers(limit_s)
     if not stopped:

@@ -210,11 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(argv)
     finally:   # the job's end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
-        stop_compile_workers_and_say(COMPILE_WORKERS_STOP_S, _say_first)
+        stop_compile_workers_and_say(_say_first)
     return 0
 
-
-COMPILE_WORKERS_STOP_S = 10.0
 
 
 def _stacks_on_sigusr1() -> None:

@@ -138,10 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _verify(argv)
     finally:   # the end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
-        stop_compile_workers_and_say(COMPILE_WORKERS_STOP_S, _say_if_first)
+        stop_compile_workers_and_say(_say_if_first)
 
-
-COMPILE_WORKERS_STOP_S = 10.0
 
 
 def _say_if_first(line: str) -> None:

@@ -53,10 +53,10 @@ def test_a_helper_that_stops_is_not_killed(pool_of):
 def test_the_kill_is_said_and_a_quick_stop_is_not(pool_of):
     lines = []
     pool_of(obeys=False)
-    stop_compile_workers_and_say(0.2, lines.append)
+    stop_compile_workers_and_say(lines.append, 0.2)
     assert len(lines) == 1 and "did not stop within 0.2 s" in lines[0] and "killed 1" in lines[0]
     pool_of(obeys=True)
-    stop_compile_workers_and_say(30.0, lines.append)
+    stop_compile_workers_and_say(lines.append, 30.0)
     assert len(lines) == 1
 
 
@@ -77,7 +77,7 @@ def test_a_pool_without_a_helper_to_kill_is_left_to_torch_and_said(monkeypatch):
     monkeypatch.setattr(async_compile, "shutdown_compile_workers", pool.shutdown)
     lines = []
     try:
-        stop_compile_workers_and_say(0.2, lines.append)
+        stop_compile_workers_and_say(lines.append, 0.2)
     finally:
         release.set()
     assert len(lines) == 1 and "did not stop within 0.2 s" in lines[0] and "at exit" in lines[0]
