@@ -48,6 +48,12 @@ step() {  # name, seconds, command...
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "== $name: exit $? in $((SECONDS - start)) s"
 }
+install_carried_fla() {  # fla-core's wheels carried in .whl/ (the image has no fla-core and reaches no registry)
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
+            .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
+    fi
+}
 parts=${*:-smoke tests bench}
 # the GPUs this run may use: CUDA_VISIBLE_DEVICES's list when set (parts side by side on one machine)
 if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
@@ -148,10 +154,7 @@ fi
 #   python3 -m pip download --no-deps -d .whl fla-core==0.6.0 flash-linear-attention==0.6.0
 # and carry=[".whl", ...]; einops and transformers are on the image.
 if [[ " $parts " == *" kda "* ]]; then
-    if compgen -G ".whl/*.whl" > /dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
-            .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
-    fi
+    install_carried_fla
     # the tests on the first GPU given (CUDA_VISIBLE_DEVICES, else the machine's), the benchmark on the
     # second: one shape a process, so that fla-core's minutes of autotuning at K = 256 cost only that row
     bench_gpu=${gpus[1]:-${gpus[0]}}
@@ -169,10 +172,7 @@ fi
 # GPU, the same shapes one after the other in one call; fla-core beside ours in this tree's run when
 # its wheels were carried (.whl/, see `kda`).
 if [[ " $parts " == *" kda_ab "* ]]; then
-    if compgen -G ".whl/*.whl" > /dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
-            .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
-    fi
+    install_carried_fla
     for shape in 16:128:8:4096 16:64:8:4096; do
         tag=${shape//:/_}
         (cd .bench_baseline && mkdir -p runs/pythonpath && ln -sfn "$PWD/kernels" runs/pythonpath/gdn_kernels &&
