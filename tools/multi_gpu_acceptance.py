@@ -24,7 +24,6 @@ Exit status 1 when a leg fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from gdn_parallel.train.metrics_sinks import read_metrics  # noqa: E402
+from tools.process_tree import kill_session, stop_job  # noqa: E402
 
 LONG_CONFIGS = {2: "configs/h1-1.3b-256k.yaml", 4: "configs/h1-1.3b-1m.yaml"}
 STEADY_BOUND = 0.15      # every step after the second within 15% of the median (issue 41)
@@ -49,27 +49,37 @@ _RUNNING: list[subprocess.Popen] = []   # the child in flight, killed whole when
 
 def _stop_children(signum, _frame) -> None:
     for proc in _RUNNING:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)   # torchrun and its workers: they would hold the GPUs
+        kill_session(proc)   # torchrun and its workers (sessions of their own): they would hold the GPUs
     sys.exit(128 + signum)
 
 
+END_GRACE_S = 60.0   # from the trainer's `done` line to its processes' exit, before they count as hung
+DONE_LINE = b"done  |"
+
+
 def run(command: list[str], log: Path, gpus: str | None, limit_s: float, env: dict | None = None) -> dict:
-    """Run `command` with its output in `log`; killed whole after `limit_s`."""
+    """Run `command` with its output in `log`. Stopped whole, its ranks' stacks printed first
+    (process_tree.stop_job), after `limit_s`, or END_GRACE_S after it said `done` and still had not
+    ended: status "timeout" or "hung after done"."""
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if gpus is not None:
         environ["CUDA_VISIBLE_DEVICES"] = gpus
     start = time.perf_counter()
+    done_at = None
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ,
                                 start_new_session=True)
         _RUNNING.append(proc)
         try:
-            status = proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            status = "timeout"
+            while (status := proc.poll()) is None:
+                now = time.perf_counter()
+                if done_at is None and DONE_LINE in log.read_bytes():
+                    done_at = now
+                if now - start > limit_s or (done_at is not None and now - done_at > END_GRACE_S):
+                    status = "timeout" if done_at is None else "hung after done"
+                    stop_job(proc)
+                    break
+                time.sleep(1.0)
         finally:
             _RUNNING.remove(proc)
     return {"command": " ".join(command), "status": status, "wall_s": round(time.perf_counter() - start, 1),

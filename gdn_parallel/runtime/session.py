@@ -8,7 +8,9 @@ program) is used as it is and left open.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -71,7 +73,34 @@ def process_group(train_config) -> Iterator[tuple[torch.device, bool]]:
                            f"{_first_line(err)}). {restart_advice()}") from err
         raise
     finally:
+        _watch_the_end()
         dist.destroy_process_group()
+
+
+END_STACKS_AFTER_S = 45.0   # from the group's close to the process's end, before the stacks are printed
+_end_stacks_after_s: float | None = None
+
+
+def watch_for_stalls() -> None:
+    """A command-line job's two views of a rank that seems stuck, printed as every thread's Python
+    stack (faulthandler): on `kill -USR1 <pid>` (the rank runs on), and by itself when the process has
+    not ended END_STACKS_AFTER_S after its work was done and its group closed (a 1M run on 4 H200s sat
+    minutes after its summary, 2026-11-28). Not in a host program or a test, whose process goes on."""
+    global _end_stacks_after_s
+    _end_stacks_after_s = END_STACKS_AFTER_S
+    try:   # not where there is no SIGUSR1 (Windows) or stderr has no file descriptor (pytest's capsys)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):   # io.UnsupportedOperation is both of the last two
+        pass
+
+
+def _watch_the_end() -> None:
+    if _end_stacks_after_s is None:
+        return
+    try:   # stderr without a file descriptor (captured) has nowhere to print them
+        faulthandler.dump_traceback_later(_end_stacks_after_s, exit=False)
+    except (ValueError, OSError, RuntimeError):
+        pass
 
 
 class PeerLost(RuntimeError):

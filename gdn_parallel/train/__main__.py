@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
-import signal
 import sys
 from collections.abc import Callable
 from importlib import resources
@@ -206,22 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: 0 on success; an expected failure exits with its status (module docstring)."""
     if not faulthandler.is_enabled():  # a rank killed by a signal (a native crash) prints its Python stacks
         faulthandler.enable(all_threads=True)
-    _stacks_on_sigusr1()
+    from ..runtime.session import watch_for_stalls
+    watch_for_stalls()
     try:
         run(argv)
     finally:   # the job's end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
         stop_compile_workers_and_say(_say_first)
     return 0
 
-
-
-def _stacks_on_sigusr1() -> None:
-    """`kill -USR1 <pid>`: a rank that seems stuck prints its Python stacks and runs on. Not where there
-    is no SIGUSR1 (Windows) or stderr has no file descriptor (captured, as by pytest's capsys)."""
-    try:
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-    except (AttributeError, ValueError, OSError):   # io.UnsupportedOperation is both of the last two
-        pass
 
 
 def _say_first(line: str) -> None:

@@ -135,6 +135,8 @@ class VerifyRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..runtime.session import watch_for_stalls
+    watch_for_stalls()
     try:
         return _verify(argv)
     finally:   # the end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)

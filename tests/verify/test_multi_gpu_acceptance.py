@@ -88,3 +88,40 @@ def test_the_document_layout_cuts_each_step_into_the_ranks_shares(tmp_path, monk
             assert 1 <= pieces and max(first, last) <= longest <= 2048
             assert pieces > 1 or first == last == longest == 2048
             assert pieces == 1 or first + last <= 2048
+
+
+# A stand-in for torchrun: its worker in a session of its own (as torchrun starts them), which says
+# `done` and then never ends, as the 1M run's ranks did on 4 H200s (2026-11-28).
+_AGENT = """
+import os, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, "RANK": "0"},
+                          start_new_session=True)
+print("worker", worker.pid, flush=True)
+worker.wait()
+"""
+_STUCK_WORKER = """
+import faulthandler, signal, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+print("done  | 1 steps in 1s", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers in Linux /proc")
+def test_a_job_stuck_after_done_is_stopped_with_its_workers_and_their_stacks(tmp_path, monkeypatch):
+    monkeypatch.setattr(acceptance, "END_GRACE_S", 1.0)
+    log = tmp_path / "job.log"
+    result = acceptance.run([sys.executable, "-c", _AGENT, _STUCK_WORKER], log, None, limit_s=120)
+    text = log.read_text()
+    worker = int(text.split("worker ", 1)[1].split()[0])
+    assert result["status"] == "hung after done" and result["wall_s"] < 60
+    assert "most recent call first" in text          # the worker's stack, printed on SIGUSR1
+    assert not _alive(worker)                        # killing the agent's group alone left it running

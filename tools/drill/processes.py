@@ -6,7 +6,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.process_tree import descendants, kill_session, worker_pids  # noqa: F401  (the drill's names)
 
 REPO = Path(__file__).resolve().parents[2]
 # The tiny run: small enough that a process starts, trains and saves in seconds on 2 cores.
@@ -85,62 +86,6 @@ class Workspace:
             print(f"kept {self.root}", file=sys.stderr)
         else:
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-def kill_session(process: subprocess.Popen) -> None:
-    """SIGKILL a child and everything it started. torchrun starts each worker in a session of its own
-    (to kill it by group), so the workers are found first and killed with their groups too: killing
-    the agent's group alone leaves them training."""
-    doomed = [process.pid, *descendants(process.pid)]
-    for pid in doomed:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):   # not a group leader, or gone: the process itself
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    process.wait()
-
-
-def _parents() -> dict[int, int]:
-    """{pid: parent pid} of every live process (Linux /proc)."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            found[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # ended while we looked
-            continue
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for child, parent in _parents().items():
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def worker_pids(agent_pid: int) -> dict[int, int]:
-    """{rank: pid} of a torchrun agent's worker processes (Linux /proc)."""
-    workers = {}
-    for pid, parent in _parents().items():
-        if parent != agent_pid:
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # ended while we looked
-            continue
-        rank = next((int(item[5:]) for item in environ if item.startswith(b"RANK=")), None)
-        if rank is not None:
-            workers[rank] = pid
-    return workers
 
 
 def raise_on_signal(signum, frame):
