@@ -63,9 +63,11 @@ def process_group(train_config) -> Iterator[tuple[torch.device, bool]]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=timeout_s))
         launched = False
+    finished = False
     try:
         yield device, launched
         _settle_collectives()
+        finished = True
     except RuntimeError as err:
         if launched and is_communication_failure(err):
             raise PeerLost(f"rank {dist.get_rank()}: a collective with the other ranks failed (a peer ended, "
@@ -74,7 +76,26 @@ def process_group(train_config) -> Iterator[tuple[torch.device, bool]]:
         raise
     finally:
         _watch_the_end()
+        _close_group(finished)
+
+
+def _close_group(finished: bool) -> None:
+    """The job's groups closed. NCCL's are aborted, not destroyed: destroy_process_group waits for
+    every communicator to flush, one group after another, and a 1M run under cp 4 (a two-rank group per
+    neighbouring pair beside the world's) sat there for minutes after its summary on 4 H200s
+    (2026-11-28, twice, warm caches or cold); torch's abort closes them all inside one NCCL group, which
+    does not wait on the peers. After a finished job the ranks first wait for each other and for their
+    GPUs, so that nothing is in flight when the communicators go; after a failure there is nothing to
+    keep, and a dead peer would never answer."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() != "nccl" or abort is None:
         dist.destroy_process_group()
+        return
+    if finished:
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+    abort()
 
 
 END_STACKS_AFTER_S = 45.0   # from the group's close to the process's end, before the stacks are printed
