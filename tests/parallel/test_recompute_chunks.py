@@ -84,10 +84,11 @@ def test_chunked_recomputation_equals_plain_training(chunks, window, dtype):
 
 def test_chunked_triton_kernels_equal_plain_training():
     """The kernels' path (Triton's interpreter on CPU): the state enters as an initial state. One
-    block of each kind (the interpreter's time)."""
+    block of each kind and two chunks, the second's documents entering from the first (the
+    interpreter's time: each chunk is a launch of every kernel)."""
     config = model_config(5, "triton")
     config.n_layers = 2
-    plain, chunked = plain_and_chunked(config, 4)
+    plain, chunked = plain_and_chunked(config, 2)
     train_both(plain, chunked, LAYOUTS[1:2])
 
 
