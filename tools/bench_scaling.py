@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tools.process_tree import stop_job  # noqa: E402
+
 CP_TOKENS_PER_RANK = 65536
 
 
@@ -95,10 +98,11 @@ def measure_row(dim: Dimension, n: int, args, extra_sets: list[str]) -> dict:
     log = args.out / f"{dim.name}_{n}.log"
     start = time.perf_counter()
     with open(log, "w") as handle:
+        job = subprocess.Popen(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=_environment())
         try:
-            status = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                    timeout=args.timeout_s, env=_environment()).returncode
-        except subprocess.TimeoutExpired:
+            status = job.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:   # torchrun's workers too (sessions of their own), or the next row
+            stop_job(job)                    # would share the GPUs with them
             status = "timeout"
     row = {"dimension": dim.name, "gpus": n, "config": dim.config, "command": " ".join(command),
            "status": status, "wall_s": round(time.perf_counter() - start, 1), "log": log.name}
