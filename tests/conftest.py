@@ -25,11 +25,6 @@ from pathlib import Path
 
 import torch
 
-# The suite starts hundreds of Python processes (torchrun, its workers, the command-line jobs). Where the
-# environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE, set on our CI image), each of them compiled
-# the package from its sources again: ~0.4 s of every start. Its processes may keep them (.gitignore'd).
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:

@@ -144,7 +144,7 @@ def documents(out: Path, args) -> Path:
 def train_command(n: int, config: str, out_dir: Path, args, data: Path, extra: list[str]) -> list[str]:
     settings = [f"train.steps={args.steps}", "train.log_every=1", "train.warmup_steps=2",
                 f"checkpoint.interval={args.save_after + 1}", "checkpoint.async_save=true",
-                f"train.out_dir={out_dir}", f"data.source={data}"]
+                f"train.out_dir={out_dir}", f"data.source={data}", *args.set]
     if args.smoke:
         settings += [f"parallel.cp={n}", "train.batch_size=1", "train.seq_len=1024", "model.n_layers=4"]
     return torchrun(n, "-m", "gdn_parallel.train", "--config", config,
@@ -225,7 +225,7 @@ def leg_long(args, n: int, out: Path) -> dict:
                  and (table["after_save_over_median"] or 0) <= 1 + STEADY_BOUND)
     bitwise = bool(compared) and all(losses[s] == losses_again[s] for s in compared)
     return {"config": config, "gpus": n, "steps": args.steps, "save_after_step": args.save_after,
-            "first": first, "resumed": resumed, "startup": startup, "end_of_run_s": end_s,
+            "set": args.set, "first": first, "resumed": resumed, "startup": startup, "end_of_run_s": end_s,
             "summary": summary, "steps_table": table, "steady_within_bound": steady_ok,
             "documents_per_rank": None if args.smoke else document_layout(config, data, args.steps, n),
             "losses": {str(s): losses[s] for s in sorted(losses)},
@@ -304,6 +304,9 @@ def main(argv=None) -> int:
     parser.add_argument("--verify-part", metavar="K/N",
                         help="verify: only part K of N of the default layouts")
     parser.add_argument("--smoke", action="store_true", help="CPU gloo, the tiny config: the legs' plumbing")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="long: a setting for both of its runs, e.g. parallel.cp_algorithm=allgather "
+                             "(repeatable; recorded in the leg's JSON)")
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
