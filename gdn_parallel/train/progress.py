@@ -262,6 +262,7 @@ class ProgressLogger:
         wanted = mode == "on" or (mode == "auto" and is_terminal(stream))
         self.bar: ProgressBar | None = ProgressBar(stream) if wanted else None
         self._plots_off = False                            # said once: loss.png cannot be drawn
+        self._plotted: tuple | None = None                 # the points loss.png shows now
         if self.out_dir is not None and importlib.util.find_spec("matplotlib") is None:
             self._say_plots_off("matplotlib is not installed")
         if settings.append:
@@ -466,15 +467,18 @@ class ProgressLogger:
         train_points = [(r["step"], r["loss"]) for r in self._earlier if "loss" in r] + self.loss_points
         if self.out_dir is None or not train_points or self._plots_off:
             return None
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+        val_points = [(r["step"], r["val_loss"]) for r in self._earlier if "val_loss" in r] + self.val_points
+        path = self.out_dir / LOSS_PLOT
+        shown = (tuple(train_points), tuple(val_points))
+        if shown == self._plotted and path.exists():   # the end's plot after the last evaluation's: as drawn
+            return path
+        try:   # the figure alone, without pyplot's global state (and its import)
+            from matplotlib.figure import Figure
         except Exception as err:   # installed but broken: said at the first plot
             self._say_plots_off(f"matplotlib cannot be imported ({type(err).__name__}: {err})")
             return None
-        val_points = [(r["step"], r["val_loss"]) for r in self._earlier if "val_loss" in r] + self.val_points
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
         ax.plot(*zip(*train_points), lw=0.8, label="train")
         if val_points:
             ax.plot(*zip(*val_points), "o-", label="val")
@@ -482,7 +486,6 @@ class ProgressLogger:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
-        path = self.out_dir / LOSS_PLOT
         partial = path.with_name(path.name + ".partial")
         fig.tight_layout()
         try:  # a new picture replaces the old one whole, or not at all (a full disk keeps the last one)
@@ -492,8 +495,7 @@ class ProgressLogger:
             partial.unlink(missing_ok=True)
             self.say(f"note: {path} not updated ({err.strerror or err})")
             return None
-        finally:
-            plt.close(fig)
+        self._plotted = shown
         return path
 
     def close(self, summary: dict | None = None) -> None:

@@ -213,12 +213,14 @@ def test_plots_off_for_lack_of_matplotlib_is_said_once_at_start_up(tmp_path, mon
 def test_a_broken_matplotlib_is_said_at_the_first_plot(tmp_path, monkeypatch):
     broken = types.ModuleType("matplotlib")
     broken.__spec__ = importlib.machinery.ModuleSpec("matplotlib", None)
+    figure = types.ModuleType("matplotlib.figure")   # found, but its Figure fails to load
 
-    def use(backend):
+    def load(name):
         raise RuntimeError("no backend")
 
-    broken.use = use
+    figure.__getattr__ = load
     monkeypatch.setitem(sys.modules, "matplotlib", broken)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", figure)
     lines = []
     logger = ProgressLogger(ProgressSettings(4, 2, 64, out_dir=str(tmp_path)), CPU, lines.append)
     assert not [line for line in lines if LOSS_PLOT in line]       # found: nothing to say yet
