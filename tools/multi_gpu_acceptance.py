@@ -66,15 +66,18 @@ def run(command: list[str], log: Path, gpus: str | None, limit_s: float, env: di
         environ["CUDA_VISIBLE_DEVICES"] = gpus
     start = time.perf_counter()
     done_at = None
-    with open(log, "w") as out:
+    with open(log, "w") as out, open(log, "rb") as follow:
         proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ,
                                 start_new_session=True)
         _RUNNING.append(proc)
+        seen = b""   # the log's last bytes read: a `done` line cut between two reads is still found
         try:
             while (status := proc.poll()) is None:
                 now = time.perf_counter()
-                if done_at is None and DONE_LINE in log.read_bytes():
-                    done_at = now
+                if done_at is None:
+                    seen = seen[-len(DONE_LINE):] + follow.read()
+                    if DONE_LINE in seen:
+                        done_at = now
                 if now - start > limit_s or (done_at is not None and now - done_at > END_GRACE_S):
                     status = "timeout" if done_at is None else "hung after done"
                     stop_job(proc)

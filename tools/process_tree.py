@@ -32,27 +32,32 @@ def kill_session(process: subprocess.Popen) -> None:
                 pass
     process.wait()
     deadline = time.monotonic() + GONE_WAIT_S   # a GPU's memory is free only once its process has ended
-    while any(_running(pid) for pid in doomed) and time.monotonic() < deadline:
+    while any(running(pid) for pid in doomed) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (an ended one not yet reaped by its parent is not)."""
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, parent pid, ...), or None when the
+    process is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return None
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (an ended one not yet reaped by its parent is not)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def _parents() -> dict[int, int]:
     """{pid: parent pid} of every live process (Linux /proc)."""
     found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            found[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # ended while we looked
-            continue
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(entry.name)
+        if fields is not None:   # else ended while we looked
+            found[int(entry.name)] = int(fields[1])
     return found
 
 
@@ -85,20 +90,20 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     return workers
 
 
-def stop_job(process: subprocess.Popen, stacks: bool = True) -> None:
-    """Kill a job that ran past its time: first SIGUSR1 to each of its Python processes, on which the
-    trainer and gdn-verify print every thread's stack (faulthandler) and run on, so the log shows
-    where it was stuck; then SIGKILL to everything below it (kill_session)."""
+def stop_job(process: subprocess.Popen) -> None:
+    """Kill a job that ran past its time: first SIGUSR1 to torchrun's workers (or to the process itself
+    when it has none), on which the trainer and gdn-verify print every thread's stack (faulthandler)
+    and run on, so the log shows where it was stuck; then SIGKILL to everything below it
+    (kill_session)."""
     if process.poll() is not None:
         return
-    if stacks:
-        asked = 0
-        for pid in worker_pids(process.pid).values() or [process.pid]:
-            try:
-                os.kill(pid, signal.SIGUSR1)
-                asked += 1
-            except ProcessLookupError:
-                pass
-        if asked:
-            time.sleep(STACKS_WAIT_S)
+    asked = 0
+    for pid in worker_pids(process.pid).values() or [process.pid]:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            asked += 1
+        except ProcessLookupError:
+            pass
+    if asked:
+        time.sleep(STACKS_WAIT_S)
     kill_session(process)

@@ -100,6 +100,18 @@ def detect_launch_env(environ: Mapping[str, str] | None = None,
     return None
 
 
+def is_first_process() -> bool:
+    """Rank 0 of a launch, or a plain process: every process of a launch resolves the same config, and
+    one of them says what it noted."""
+    launch = detect_launch_env()
+    return launch is None or launch.rank == 0
+
+
+def say_on_first_process(line: str) -> None:
+    if is_first_process():
+        print(line, flush=True)
+
+
 def strip_launcher_args(argv: Sequence[str]) -> list[str]:
     """argv without the launcher's `--local_rank=N`, `--local_rank N` (or `--local-rank`): DeepSpeed
     passes it, the trainer's parser does not know it, and LOCAL_RANK carries the same number."""

@@ -126,16 +126,13 @@ def load_config(args, say: Callable[[str], None] | None = None) -> Config:
 
 
 def _say_first_process(line: str) -> None:
-    if _is_first_process():
-        print(line, flush=True)
+    from ..runtime.launch_env import say_on_first_process  # torch only once a job runs
+    say_on_first_process(line)
 
 
 def _is_first_process() -> bool:
-    """Rank 0 of a launch, or a plain process: every process of a launch resolves the same config, and
-    one of them says what it noted."""
-    from ..runtime.launch_env import detect_launch_env
-    launch = detect_launch_env()
-    return launch is None or launch.rank == 0
+    from ..runtime.launch_env import is_first_process
+    return is_first_process()
 
 
 REFUSED, DIVERGED, WRITE_FAILED, PEER_LOST = 2, 3, 4, 5
@@ -210,14 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(argv)
     finally:   # the job's end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
-        stop_compile_workers_and_say(_say_first)
+        stop_compile_workers_and_say(_say_first_process)
     return 0
-
-
-
-def _say_first(line: str) -> None:
-    if _is_first_process():
-        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from ..config import Config, ConfigError, creation_problem
 from ..model import check_kernels
 from ..runtime import detect_launch_env, process_group, strip_launcher_args
 from ..runtime.compile_workers import stop_compile_workers_and_say
+from ..runtime.launch_env import say_on_first_process
 from .batches import MIN_ROW_TOKENS, verification_batch
 from .checkpoint_leg import CHECKPOINT_FAULTS, SAVED_AFTER, CheckpointSettings, shared_directory
 from .layout_run import FAULT_KINDS
@@ -140,14 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _verify(argv)
     finally:   # the end bounded: torch's own stop at exit may wait minutes (runtime/compile_workers.py)
-        stop_compile_workers_and_say(_say_if_first)
-
-
-
-def _say_if_first(line: str) -> None:
-    launch = detect_launch_env()
-    if launch is None or launch.rank == 0:
-        print(line, flush=True)
+        stop_compile_workers_and_say(say_on_first_process)
 
 
 def _verify(argv: list[str] | None) -> int:

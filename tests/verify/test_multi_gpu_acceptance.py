@@ -11,6 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import multi_gpu_acceptance as acceptance  # noqa: E402
 
+from tools import process_tree  # noqa: E402
+
 
 def _records(times, compiled=None, saving=()):
     compiled = compiled or {}
@@ -107,14 +109,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers in Linux /proc")
 def test_a_job_stuck_after_done_is_stopped_with_its_workers_and_their_stacks(tmp_path, monkeypatch):
     monkeypatch.setattr(acceptance, "END_GRACE_S", 1.0)
@@ -124,4 +118,4 @@ def test_a_job_stuck_after_done_is_stopped_with_its_workers_and_their_stacks(tmp
     worker = int(text.split("worker ", 1)[1].split()[0])
     assert result["status"] == "hung after done" and result["wall_s"] < 60
     assert "most recent call first" in text          # the worker's stack, printed on SIGUSR1
-    assert not _alive(worker)                        # killing the agent's group alone left it running
+    assert not process_tree.running(worker)          # killing the agent's group alone left it running
