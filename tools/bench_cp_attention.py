@@ -76,26 +76,30 @@ def measure(rank: int, world: int, args) -> dict:
     for split in SPLITS:
         cp = CPContext.build(dist.group.WORLD, cu, args.tokens_per_rank, attention_split=split, device=device)
         memo: dict = {}
-        step, own = [], []
-        for i in range(args.warmup + args.iters):
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            dist.barrier()
-            elapsed = _timed(device, functools.partial(_step, leaves, do, cp, impl, memo))
-            cp.finish()
-            if i >= args.warmup:
-                step.append(elapsed)
+        whole_op = functools.partial(_step, (q, k, v), do, cp, impl, memo)
+        step = _samples(device, args, whole_op, after=cp.finish)
         inputs = _own_work_inputs(q, k, v, cp, impl, memo)
-        for i in range(args.warmup + args.iters):
-            dist.barrier()
-            elapsed = _timed(device, functools.partial(_own_work, inputs))
-            if i >= args.warmup:
-                own.append(elapsed)
+        own = _samples(device, args, functools.partial(_own_work, inputs))
         times[split] = {"step": step, "own": own}
     return times
 
 
-def _step(leaves, do, cp, impl: str, memo: dict) -> None:
-    q, k, v = leaves
+def _samples(device: torch.device, args, fn, after=None) -> list[float]:
+    """`fn`'s milliseconds over --iters calls after --warmup, every rank starting each call together;
+    `after` (untimed) follows each call."""
+    samples = []
+    for i in range(args.warmup + args.iters):
+        dist.barrier()
+        elapsed = _timed(device, fn)
+        if after is not None:
+            after()
+        if i >= args.warmup:
+            samples.append(elapsed)
+    return samples
+
+
+def _step(inputs, do, cp, impl: str, memo: dict) -> None:
+    q, k, v = (x.detach().requires_grad_() for x in inputs)   # fresh leaves: no gradient accumulates
     o = attention(q, k, v, causal=True, impl=impl, cp=cp, memo=memo)
     o.backward(do)
 
