@@ -1,11 +1,14 @@
-"""The memory-bound Triton kernels of a block at training shapes: the short conv and the row norms,
-forward and backward, against the bytes they must move, with their tile settings swept, in one run.
+"""The memory-bound Triton kernels of a block at training shapes: the short conv, the row norms and the
+rotary embedding, forward and backward, against the bytes they must move, with their tile settings
+swept, in one run.
 
     python tools/bench_block_kernels.py --out $OUT/bench_block_kernels.json [--baseline OLD_MODULE.py]
 
 Shapes are gdn-1.3b's at a micro-batch of 4 x 4096 tokens: the q/k conv (1024 channels) and the v conv
 (2048), bf16 with SiLU and four documents per row; the pre-norm RMSNorm over the fp32 residual stream
-(hidden 2048, bf16 output) and the gated output norm (rows of one head, 256 values, bf16). Each case is
+(hidden 2048, bf16 output) and the gated output norm (rows of one head, 256 values, bf16); the rotary
+embedding of h1-1.3b's queries (16 heads of 128) at positions from 0 and near the end of a 1M-token
+sequence, whose ratio shows what the angle's range reduction costs there. Each case is
 first checked against the PyTorch path in fp32 on the same rounded inputs (output and every gradient),
 then timed (median of --iters after --warmup, CUDA events). GB/s counts each tensor the op must read
 or write once (inputs, outputs and gradients); the H100's HBM3 moves about 3.35 TB/s.
@@ -145,6 +148,35 @@ def residual_norm_case(args, device):
     return "residual norm 2048 (fp32 + bf16)", (x, w, 1e-6, branch), dy, rows * 2048 * 22
 
 
+def rope_cases(args, device):
+    """Positions from 0, and from 786,432: the last CP rank's quarter of a 1M-token document. x, y, dy
+    and dx once each (bf16)."""
+    rows, heads, dim = args.batch * args.tokens, 16, 128
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(1, rows, heads, dim, device=device, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(1, rows, heads, dim, device=device, generator=gen).bfloat16()
+    for start in (0, 786_432):
+        positions = torch.arange(start, start + rows, device=device)
+        yield f"rope 16x128, positions from {start}", (x, positions), dy, 4 * x.numel() * 2
+
+
+def rope_fn(rope):
+    def fn(x, positions):
+        inv_freq = 10000.0 ** (-torch.arange(0, 128, 2, device=x.device, dtype=torch.float32) / 128)
+        return rope.triton_rotary(x, positions.unsqueeze(0), inv_freq)
+    return fn
+
+
+def rope_reference(x, positions):
+    """apply_rotary's PyTorch formula on any device (the kernel dispatch switched off)."""
+    from gdn_parallel.ops import rope as rope_ops
+    auto, rope_ops.auto_uses_triton = rope_ops.auto_uses_triton, (lambda *args: False)
+    try:
+        return rope_ops.apply_rotary(x, positions, 10000.0)
+    finally:
+        rope_ops.auto_uses_triton = auto
+
+
 def conv_fn(module):
     def fn(x, w, b, activation, cu):
         return module.triton_causal_conv1d(x, w, b, activation, cu)
@@ -208,7 +240,14 @@ def main(argv=None) -> int:
     name, inputs, dy, nbytes = residual_norm_case(args, device)
     sweep(name, norms, NORM_SETTINGS, residual_norm_fn(norms), residual_norm_reference, inputs, dy, nbytes,
           args, rows)
+    rope = kernel_module("rope")
+    for name, inputs, dy, nbytes in rope_cases(args, device):
+        sweep(name, rope, [{}], rope_fn(rope), rope_reference, inputs, dy, nbytes, args, rows)
     print()
+    near, far = (next(r for r in rows if r["case"].startswith("rope") and r["case"].endswith(f" {s}"))
+                 for s in (0, 786_432))
+    ratio = far["forward_backward_ms"] / near["forward_backward_ms"]
+    print(f"rope far / near positions: {ratio:.2f}x the time")
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case and r["ok"]]
         if not mine:

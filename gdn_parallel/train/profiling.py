@@ -8,8 +8,10 @@ buckets_rank<R>.json; rank 0 prints the table. Each kernel (each operator's own 
 into one bucket by its name: matmul, GDN kernels, conv + norm, attention, loss, optimizer (AdamW and
 clipping), communication, casts + copies, other elementwise. On a GPU the device is idle for the
 steps' wall time minus the union of its kernels' intervals: time the host makes it wait (launch
-overheads, host syncs, data). The profiled steps wait for the device at their start and end, and the
-profiler adds its own overhead, so they run a little slower than the others.
+overheads, host syncs, data). The table also splits the window step by step (`per_step`: each step's
+wall and busy time, buckets and largest kernels), so one window compares a slow step with a steady one
+on every rank. Each profiled step waits for the device at its end (its kernels then fall inside its own
+span), and the profiler adds its own overhead, so they run a little slower than the others.
 """
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ class StepProfiler:
             if self._profile is not None and self.steps is not None:
                 if step >= self._first:
                     self._profiled += 1
+                    if self.device.type == "cuda":   # the step's kernels end inside its own span
+                        torch.cuda.synchronize(self.device)
                 if step == self.steps[1]:
                     self._end()  # before the schedule's last step(), which processes the trace
                 else:
@@ -150,7 +154,41 @@ def bucket_table(profile, wall_ms: float, steps: int, on_gpu: bool) -> dict:
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     return {"device": "gpu" if on_gpu else "cpu", "wall_ms": wall_ms / steps, "busy_ms": busy / steps,
             "idle_share": max(0.0, 1 - busy / wall_ms) if on_gpu and wall_ms > 0 else None,
-            "buckets_ms": per_step, "top": [{"name": n[:120], "ms_per_step": t / steps} for n, t in top]}
+            "buckets_ms": per_step, "top": [{"name": n[:120], "ms_per_step": t / steps} for n, t in top],
+            "per_step": split_by_step(profile.events(), on_gpu)[-steps:]}
+
+
+def split_by_step(events, on_gpu: bool) -> list[dict]:
+    """Each profiled step on its own: the kernels (CPU: operators by their own time) that started inside
+    its host-side span (ProfilerStep#N; "ProfilerStep*" in events()), until the next step's span begins."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU)
+    if on_gpu:
+        timed = [(e.time_range.start, e.time_range.end, e.name, e.time_range.elapsed_us())
+                 for e in events if e.device_type == DeviceType.CUDA
+                 and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")]
+    else:
+        timed = [(e.time_range.start, e.time_range.end, e.name, e.self_cpu_time_total) for e in events
+                 if e.device_type == DeviceType.CPU and not e.name.startswith("ProfilerStep")
+                 and e.self_cpu_time_total > 0]
+    steps = []
+    for i, (start, end) in enumerate(spans):
+        until = spans[i + 1][0] if i + 1 < len(spans) else float("inf")
+        inside = [t for t in timed if start <= t[0] < until]
+        buckets: dict[str, float] = {}
+        names: dict[str, float] = {}
+        for _, _, name, us in inside:
+            buckets[bucket_of(name)] = buckets.get(bucket_of(name), 0.0) + us / 1e3
+            names[name] = names.get(name, 0.0) + us / 1e3
+        wall = (end - start) / 1e3
+        busy = _union_ms([(a, b) for a, b, _, _ in inside]) if on_gpu else sum(buckets.values())
+        steps.append({"wall_ms": wall, "busy_ms": busy,
+                      "idle_share": max(0.0, 1 - busy / wall) if on_gpu and wall > 0 else None,
+                      "buckets_ms": dict(sorted(buckets.items(), key=lambda item: -item[1])),
+                      "top": [{"name": n[:120], "ms": t} for n, t in
+                              sorted(names.items(), key=lambda item: -item[1])[:10]]})
+    return steps
 
 
 def steady_idle_share(busy_ms: float, step_ms: float) -> float:
@@ -180,4 +218,11 @@ def format_table(table: dict, folder: Path | None) -> list[str]:
                else f"CPU operators {table['busy_ms']:.1f} ms") + where)
     busy = table["busy_ms"] or 1.0
     rows = sorted(table["buckets_ms"].items(), key=lambda item: -item[1])
-    return [head] + [f"profile |   {name:<18} {ms:9.2f} ms {ms / busy:6.1%}" for name, ms in rows if ms > 0]
+    lines = [head] + [f"profile |   {name:<18} {ms:9.2f} ms {ms / busy:6.1%}" for name, ms in rows if ms > 0]
+    if len(table.get("per_step", ())) > 1:
+        for step, row in zip(range(first, last + 1), table["per_step"]):
+            largest = ", ".join(f"{name} {ms:.0f}" for name, ms in list(row["buckets_ms"].items())[:3])
+            busy_text = (f"GPU busy {row['busy_ms']:.1f} ms (idle {row['idle_share']:.1%})"
+                         if row["idle_share"] is not None else f"CPU operators {row['busy_ms']:.1f} ms")
+            lines.append(f"profile | step {step}: {row['wall_ms']:.1f} ms, {busy_text}: {largest} ms")
+    return lines

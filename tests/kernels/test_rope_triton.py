@@ -50,6 +50,14 @@ def test_matches_torch(dtype, tol):
     _compare((3, 5, 2, 6), torch.arange(5).unsqueeze(0), dtype, 500.0, tol)  # shared, head dim 6
 
 
+def test_positions_far_along_a_long_sequence():
+    """Angles of up to 1e7 radians: the kernel takes off whole turns before cos and sin (in fp64, see
+    _within_half_turn); the rotation must stay that of the fp32 angle, to fp32's rounding."""
+    far = torch.tensor([[0, 99_999, 262_143, 524_289, 786_431, 1_048_575, 4_194_303, 16_777_215]])
+    _compare((1, 8, 2, 128), far, torch.float32, 10000.0, 2e-6)
+    _compare((1, 8, 2, 64), far, torch.float32, 500.0, 2e-6)
+
+
 def test_rows_past_the_last_block_and_empty():
     _compare((1, 7, 5, 4), torch.tensor([[0, 1, 2, 0, 1, 0, 1]]), torch.float32, 10000.0, 1e-6)
     x = torch.zeros(1, 0, 2, 4, device=device)
@@ -72,6 +80,7 @@ def test_the_backward_undoes_the_forward():
 def test_bf16_training_size_long_positions_and_model_dispatch():
     B, T, H, D = 2, 4096, 16, 128
     positions = torch.arange(T).unsqueeze(0) + 1_000_000 - T  # near the end of a 1M-token sequence
+    _compare((B, T, H, D), positions, torch.float32, 10000.0, 2e-6)   # libdevice's cos after the turns
     got, dx = _compare((B, T, H, D), positions, torch.bfloat16, 10000.0, 1e-2)
     again, dx_again = _compare((B, T, H, D), positions, torch.bfloat16, 10000.0, 1e-2)
     assert torch.equal(got, again) and torch.equal(dx, dx_again)

@@ -160,3 +160,24 @@ def test_a_run_resumed_inside_the_window_profiles_the_steps_it_runs(tmp_path):
              json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]}
     assert {"marker_of_step_3", "marker_of_step_4"} <= names and "marker_of_step_5" not in names
     assert json.loads((tmp_path / "profile" / "buckets_rank0.json").read_text())["steps"] == [3, 4]
+
+
+def test_the_window_is_split_step_by_step(tmp_path):
+    """One window, each step on its own (per_step): a slow step shows apart from a fast one."""
+    import torch
+
+    from gdn_parallel.train.profiling import StepProfiler
+    lines = []
+    profiler = StepProfiler((1, 2), str(tmp_path), 0, torch.device("cpu"), lines.append)
+    a = torch.randn(256, 256)
+    for step in range(3):
+        with profiler.around(step):
+            for _ in range(40 if step == 1 else 1):   # step 1 does 40 times step 2's products
+                a @ a
+    profiler.close()
+    table = json.loads((tmp_path / "profile" / "buckets_rank0.json").read_text())
+    slow, fast = table["per_step"]
+    assert slow["buckets_ms"]["matmul"] > 5 * fast["buckets_ms"]["matmul"] > 0
+    assert slow["wall_ms"] > fast["wall_ms"] > 0 and slow["top"][0]["name"].startswith("aten::")
+    assert any(line.startswith("profile | step 1: ") for line in lines)
+    assert any(line.startswith("profile | step 2: ") for line in lines)
