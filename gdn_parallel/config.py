@@ -472,8 +472,9 @@ class TrainConfig:
            "the host (0: all)", rule=_at_least(0))
     profile_steps: str = setting(
         "", "steps to profile, FIRST,LAST (e.g. 10,12; one step: 10; '': none): a chrome trace and a table "
-            "of where their time went (matmul, GDN kernels, conv + norm, ..., GPU idle) under "
-            "<train.out_dir>/profile/, the table also printed", integer_text=True)
+            "of where their time went (matmul, GDN kernels, conv + norm, ..., GPU idle), over the window "
+            "and step by step, each rank's under <train.out_dir>/profile/, the table also printed",
+        integer_text=True)
     max_skipped_steps: int = setting(
         3, "non-finite steps in a row (skipped, nothing applied) before the run stops, e.g. 3",
         rule=_at_least(1))

@@ -23,6 +23,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -193,7 +194,37 @@ def _kind(item) -> str:
     return "unit"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """The whole suite on a CPU machine runs on two pytest-xdist workers: the integration tests one
+    after another on one of them (each already keeps the cores busy with its processes, and the
+    launches shared between modules stay shared: tests/parallel/launcher.py), the unit tests beside
+    them a module at a time. The unit tests then take no wall time of their own (they took ~5 of the
+    suite's 21 minutes on 2 cores). A run of some tests, a worker, a `-n` given, a GPU machine or no
+    xdist: one process, as before."""
+    if hasattr(config, "workerinput"):
+        # a worker parses the command line again, without the options set below: it is told to group
+        config.option.loadgroup = config.workerinput.get("gdn_loadgroup", False)
+        return
+    if (getattr(config.option, "numprocesses", "absent") is not None or torch.cuda.is_available()
+            or config.getoption("collectonly")):
+        return
+    if [Path(arg).resolve() for arg in config.args] != [REPO / "tests"]:
+        return
+    config.option.numprocesses, config.option.dist, config.option.tx = 2, "loadgroup", ["popen"] * 2
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist (controller): tell each worker whether the suite runs grouped (pytest_configure)."""
+    node.workerinput["gdn_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's worker reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(kind) for kind in KINDS):
             item.add_marker(_kind(item))
+        # pytest_configure's split; without xdist the mark is inert
+        group = "processes" if item.get_closest_marker("integration") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

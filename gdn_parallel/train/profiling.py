@@ -164,31 +164,40 @@ def split_by_step(events, on_gpu: bool) -> list[dict]:
     from torch.autograd import DeviceType
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU)
-    if on_gpu:
-        timed = [(e.time_range.start, e.time_range.end, e.name, e.time_range.elapsed_us())
-                 for e in events if e.device_type == DeviceType.CUDA
-                 and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")]
-    else:
-        timed = [(e.time_range.start, e.time_range.end, e.name, e.self_cpu_time_total) for e in events
-                 if e.device_type == DeviceType.CPU and not e.name.startswith("ProfilerStep")
-                 and e.self_cpu_time_total > 0]
+    host = [(e.time_range.start, e.time_range.end, e.name, e.self_cpu_time_total) for e in events
+            if e.device_type == DeviceType.CPU and not e.name.startswith("ProfilerStep")
+            and getattr(e, "self_cpu_time_total", 0) > 0]
+    timed = host if not on_gpu else [
+        (e.time_range.start, e.time_range.end, e.name, e.time_range.elapsed_us()) for e in events
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith("ProfilerStep")]
     steps = []
     for i, (start, end) in enumerate(spans):
         until = spans[i + 1][0] if i + 1 < len(spans) else float("inf")
         inside = [t for t in timed if start <= t[0] < until]
-        buckets: dict[str, float] = {}
-        names: dict[str, float] = {}
-        for _, _, name, us in inside:
-            buckets[bucket_of(name)] = buckets.get(bucket_of(name), 0.0) + us / 1e3
-            names[name] = names.get(name, 0.0) + us / 1e3
+        buckets = _summed(inside, bucket_of)
         wall = (end - start) / 1e3
         busy = _union_ms([(a, b) for a, b, _, _ in inside]) if on_gpu else sum(buckets.values())
-        steps.append({"wall_ms": wall, "busy_ms": busy,
-                      "idle_share": max(0.0, 1 - busy / wall) if on_gpu and wall > 0 else None,
-                      "buckets_ms": dict(sorted(buckets.items(), key=lambda item: -item[1])),
-                      "top": [{"name": n[:120], "ms": t} for n, t in
-                              sorted(names.items(), key=lambda item: -item[1])[:10]]})
+        row = {"wall_ms": wall, "busy_ms": busy,
+               "idle_share": max(0.0, 1 - busy / wall) if on_gpu and wall > 0 else None,
+               "buckets_ms": buckets, "top": _largest(_summed(inside, lambda name: name[:120]))}
+        if on_gpu:   # what the host did meanwhile: a stall there shows as GPU idle time
+            row["host_top"] = _largest(_summed([t for t in host if start <= t[0] < until],
+                                               lambda name: name[:120]))
+        steps.append(row)
     return steps
+
+
+def _summed(timed, key) -> dict[str, float]:
+    """Milliseconds by key(name), largest first, of (start, end, name, microseconds) records."""
+    totals: dict[str, float] = {}
+    for _, _, name, us in timed:
+        totals[key(name)] = totals.get(key(name), 0.0) + us / 1e3
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def _largest(totals: dict[str, float], count: int = 10) -> list[dict]:
+    return [{"name": name, "ms": ms} for name, ms in list(totals.items())[:count]]
 
 
 def steady_idle_share(busy_ms: float, step_ms: float) -> float:

@@ -181,3 +181,31 @@ def test_the_window_is_split_step_by_step(tmp_path):
     assert slow["wall_ms"] > fast["wall_ms"] > 0 and slow["top"][0]["name"].startswith("aten::")
     assert any(line.startswith("profile | step 1: ") for line in lines)
     assert any(line.startswith("profile | step 2: ") for line in lines)
+
+
+def test_a_gpu_window_is_split_by_the_host_step_spans_with_what_the_host_did():
+    """Kernels go to the step whose host span (ProfilerStep) they start in; each step's GPU idle share
+    and the host's own operators beside it (a host stall shows as idle GPU time)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from gdn_parallel.train.profiling import split_by_step
+
+    def event(name, start_us, end_us, device=DeviceType.CUDA, own_us=0):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=False,
+                               self_cpu_time_total=own_us,
+                               time_range=SimpleNamespace(start=start_us, end=end_us,
+                                                          elapsed_us=lambda: end_us - start_us))
+    cpu = DeviceType.CPU
+    events = [event("ProfilerStep*", 0, 10_000, cpu), event("ProfilerStep*", 10_000, 30_000, cpu),
+              event("nvjet_sm90_gemm", 1_000, 9_000), event("nvjet_sm90_gemm", 11_000, 15_000),
+              event("state_forward", 15_000, 17_000),
+              event("aten::mm", 500, 600, cpu, own_us=100),
+              event("cudaStreamSynchronize", 17_000, 29_000, cpu, own_us=12_000)]
+    first, second = split_by_step(events, on_gpu=True)
+    assert first["wall_ms"] == 10.0 and first["busy_ms"] == 8.0 and first["buckets_ms"] == {"matmul": 8.0}
+    assert second["wall_ms"] == 20.0 and second["busy_ms"] == 6.0 and abs(second["idle_share"] - 0.7) < 1e-12
+    assert second["buckets_ms"] == {"matmul": 4.0, "GDN kernels": 2.0}
+    assert second["host_top"][0] == {"name": "cudaStreamSynchronize", "ms": 12.0}
+    assert first["host_top"] == [{"name": "aten::mm", "ms": 0.1}]
