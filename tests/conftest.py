@@ -200,14 +200,14 @@ def pytest_configure(config):
     after another on one of them (each already keeps the cores busy with its processes, and the
     launches shared between modules stay shared: tests/parallel/launcher.py), the unit tests beside
     them a module at a time. The unit tests then take no wall time of their own (they took ~5 of the
-    suite's 21 minutes on 2 cores). A run of some tests, a worker, a `-n` given, a GPU machine or no
-    xdist: one process, as before."""
+    suite's 21 minutes on 2 cores). A run of some tests, a worker, a `-n` given, `--pdb`, a GPU machine
+    or no xdist: one process, as before."""
     if hasattr(config, "workerinput"):
         # a worker parses the command line again, without the options set below: it is told to group
         config.option.loadgroup = config.workerinput.get("gdn_loadgroup", False)
         return
     if (getattr(config.option, "numprocesses", "absent") is not None or torch.cuda.is_available()
-            or config.getoption("collectonly")):
+            or config.getoption("collectonly") or config.getoption("usepdb")):
         return
     if [Path(arg).resolve() for arg in config.args] != [REPO / "tests"]:
         return
