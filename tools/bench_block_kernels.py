@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_parallel.model.norm import rms_norm  # noqa: E402
+from gdn_parallel.ops.rope import apply_rotary  # noqa: E402
 from gdn_parallel.ops.short_conv import causal_conv1d  # noqa: E402
 from gdn_parallel.ops.triton_dispatch import kernel_module  # noqa: E402
 from gdn_parallel.verify.compare import relative_error  # noqa: E402
@@ -148,14 +149,16 @@ def residual_norm_case(args, device):
     return "residual norm 2048 (fp32 + bf16)", (x, w, 1e-6, branch), dy, rows * 2048 * 22
 
 
+ROPE_STARTS = (0, 786_432)   # positions from 0, and the last CP rank's quarter of a 1M-token document
+
+
 def rope_cases(args, device):
-    """Positions from 0, and from 786,432: the last CP rank's quarter of a 1M-token document. x, y, dy
-    and dx once each (bf16)."""
+    """One case for each of ROPE_STARTS. x, y, dy and dx once each (bf16)."""
     rows, heads, dim = args.batch * args.tokens, 16, 128
     gen = torch.Generator(device=device).manual_seed(3)
     x = torch.randn(1, rows, heads, dim, device=device, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(1, rows, heads, dim, device=device, generator=gen).bfloat16()
-    for start in (0, 786_432):
+    for start in ROPE_STARTS:
         positions = torch.arange(start, start + rows, device=device)
         yield f"rope 16x128, positions from {start}", (x, positions), dy, 4 * x.numel() * 2
 
@@ -168,13 +171,7 @@ def rope_fn(rope):
 
 
 def rope_reference(x, positions):
-    """apply_rotary's PyTorch formula on any device (the kernel dispatch switched off)."""
-    from gdn_parallel.ops import rope as rope_ops
-    auto, rope_ops.auto_uses_triton = rope_ops.auto_uses_triton, (lambda *args: False)
-    try:
-        return rope_ops.apply_rotary(x, positions, 10000.0)
-    finally:
-        rope_ops.auto_uses_triton = auto
+    return apply_rotary(x, positions, 10000.0, impl="torch")
 
 
 def conv_fn(module):
@@ -245,7 +242,7 @@ def main(argv=None) -> int:
         sweep(name, rope, [{}], rope_fn(rope), rope_reference, inputs, dy, nbytes, args, rows)
     print()
     near, far = (next(r for r in rows if r["case"].startswith("rope") and r["case"].endswith(f" {s}"))
-                 for s in (0, 786_432))
+                 for s in ROPE_STARTS)
     ratio = far["forward_backward_ms"] / near["forward_backward_ms"]
     print(f"rope far / near positions: {ratio:.2f}x the time")
     for case in dict.fromkeys(r["case"] for r in rows):

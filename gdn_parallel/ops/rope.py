@@ -41,14 +41,21 @@ def _document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
     return torch.searchsorted(cu[1:], tokens, right=True)
 
 
-def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+ROPE_IMPLS = ("auto", "torch")
+
+
+def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0,
+                 impl: str = "auto") -> torch.Tensor:
     """Rotate x [B, T, H, D] by its positions, Llama/HF "rotate_half" layout.
 
     Channel pairs are (i, i + D/2) with frequency theta^(-2i/D); the angles are computed in fp32
     (bf16 positions/angles lose whole radians at long context) and the result is cast back to x.dtype.
-    `position_ids` is [B, T] or [T] (shared by the batch). On CUDA the fused Triton kernel serves
-    (gdn_kernels.rope: x read and written once, the same angles); elsewhere the formula below.
+    `position_ids` is [B, T] or [T] (shared by the batch). impl "auto": on CUDA the fused Triton kernel
+    serves (gdn_kernels.rope: x read and written once, the same angles), elsewhere the formula below;
+    "torch": the formula on any device (the kernel's oracle).
     """
+    if impl not in ROPE_IMPLS:
+        raise ValueError(f"impl must be one of {ROPE_IMPLS}, got {impl!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a 4-D tensor [B, T, H, D], got {getattr(x, 'shape', type(x).__name__)}")
     if not x.is_floating_point():
@@ -71,7 +78,7 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
 
     dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
     inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
-    if dtype == torch.float32 and auto_uses_triton(x, "rope"):
+    if impl == "auto" and dtype == torch.float32 and auto_uses_triton(x, "rope"):
         return imported_kernel("rope").triton_rotary(x, position_ids.to(x.device), inv_freq)
     freqs = position_ids.to(device=x.device, dtype=dtype).unsqueeze(-1) * inv_freq  # [B|1, T, D/2]
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B|1, T, 1, D]: broadcast over heads

@@ -16,16 +16,6 @@ from .helpers import device, gpu_only, rel_err  # skips the module without trito
 kernel = importlib.import_module("gdn_kernels.rope")  # after helpers: it imports triton
 
 
-def _torch_rotary(x, positions, theta):
-    """The PyTorch path of apply_rotary, whatever the device (the kernel switched off)."""
-    auto = rope_ops.auto_uses_triton
-    rope_ops.auto_uses_triton = lambda *args: False
-    try:
-        return rope_ops.apply_rotary(x, positions, theta)
-    finally:
-        rope_ops.auto_uses_triton = auto
-
-
 def _compare(shape, positions, dtype, theta, tol):
     B, T, H, D = shape
     g = generator(1)
@@ -35,7 +25,7 @@ def _compare(shape, positions, dtype, theta, tol):
     got = kernel.triton_rotary(x, positions.to(device), inv_freq)
     (dx,) = torch.autograd.grad(got, x, dy)
     ref_x = x.detach().float().requires_grad_()
-    ref = _torch_rotary(ref_x, positions.to(device), theta)
+    ref = rope_ops.apply_rotary(ref_x, positions.to(device), theta, impl="torch")
     (ref_dx,) = torch.autograd.grad(ref, ref_x, dy.float())
     assert got.dtype == dtype and dx.dtype == dtype and got.shape == x.shape
     assert rel_err(got, ref) < tol, rel_err(got, ref)

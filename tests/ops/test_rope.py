@@ -72,3 +72,5 @@ def test_rotary_rejects_bad_inputs():
         apply_rotary(torch.randn(1, 4, 2, 6), torch.arange(5))
     with pytest.raises(ValueError, match="position_ids"):
         apply_rotary(torch.randn(1, 4, 2, 6), torch.arange(4.0))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        apply_rotary(torch.randn(1, 4, 2, 6), torch.arange(4), impl="triton")
