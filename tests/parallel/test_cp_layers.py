@@ -160,6 +160,39 @@ def test_sliding_window_keys_have_one_length(cu, rank):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("cu", [[0, 96],                 # one document: one on every shard
+                                [0, 32, 96],             # a document starts at a shard boundary
+                                [0, 30, 50, 96],         # several documents, halos of 2 and 3 tokens
+                                [0, 33, 64, 65, 96]])    # a one-token document, a halo of one
+def test_cp_conv_runs_one_kernel_variant_a_rank_whatever_the_documents(monkeypatch, cu):
+    """Each shard hands the local conv boundaries and (after the first shard) a prefix of one width,
+    whatever its documents: Triton compiles a variant per (boundaries or none, prefix or none), and a
+    form that followed the data compiled again at the first step that brought it, seconds on one rank
+    while the others waited (1M tokens, cp 4). Three sequence chunks of one process, against one run."""
+    from gdn_parallel.comm.context import Loopback
+    from gdn_parallel.ops.short_conv import cp as cp_conv
+
+    forms = []
+    local = cp_conv.causal_conv1d
+    def recorded(x, weight, bias, activation, cu_seqlens, prefix, impl):
+        forms.append((cu_seqlens is None, None if prefix is None else tuple(prefix.shape)))
+        return local(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, prefix=prefix, impl=impl)
+    monkeypatch.setattr(cp_conv, "causal_conv1d", recorded)
+    gen = generator(sum(cu))
+    x = torch.randn(1, 96, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True) for shape in ((5, 4), (5,)))
+    dy = torch.randn(1, 96, 5, generator=gen, dtype=torch.float64)
+    y = causal_conv1d(x, w, b, cu_seqlens=torch.tensor(cu))
+    expected = (y, *torch.autograd.grad((y * dy).sum(), (x, w, b)))
+    loopback = Loopback()
+    plans = [CPContext(None, r, 3, cu, 32, chunks=3, loopback=loopback) for r in range(3)]
+    y_cp = torch.cat([causal_conv1d(x[:, 32 * r:32 * (r + 1)], w, b, cp=plans[r]) for r in range(3)], dim=1)
+    got = (y_cp, *torch.autograd.grad((y_cp * dy).sum(), (x, w, b)))
+    for name, g, e in zip(("y", "dx", "dw", "db"), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)
+    assert forms == [(False, None), (False, (1, 3, 5)), (False, (1, 3, 5))], forms
+
+
 def zigzag_case(rank, world, total, cu, seed, dtype, tol, H=4, HKV=2):
     """Full attention of the shard under both splits against one process: outputs and q/k/v
     gradients, each split against the oracle (so zigzag equals contiguous up to rounding)."""

@@ -11,14 +11,23 @@ from .local import causal_conv1d
 
 def cp_causal_conv1d(x, weight, bias, activation, cp: CPContext, impl: str = "auto") -> torch.Tensor:
     """`impl` as in causal_conv1d: it selects the local conv that runs on the shard + halo."""
-    B, _, D = x.shape
     width = weight.shape[1] - 1
     anchors = tuple(t for t in (weight, bias) if t is not None)
     halo, token = exchange_halo(cp, x, width, *anchors)
-    prefix = None
-    if halo is not None:  # zeros stand for positions before the document's start
-        prefix = torch.cat([x.new_zeros(B, width - halo.shape[1], D), halo], dim=1)
-    # One document on the shard: no boundaries (the kernels' plain path is the faster one).
-    cu = None if cp.num_local_docs == 1 else cp.local_cu_seqlens
+    cu, prefix = _local_conv_inputs(cp, x, halo, width)
     y = causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu, prefix=prefix, impl=impl)
     return tie(y, token)
+
+
+def _local_conv_inputs(cp: CPContext, x: torch.Tensor, halo: torch.Tensor | None, width: int):
+    """(cu_seqlens, prefix) for the local conv, of one form on a rank whatever the row's documents: the
+    kernels compile a variant for each (boundaries or none, prefix or none), so a form that followed the
+    data (one document on the shard, a document starting at the boundary) compiled again at the first
+    step that brought it, seconds on a rank while the others waited in the relay (1M tokens, cp 4)."""
+    B, _, D = x.shape
+    prefix = None
+    if cp.rank > 0 and width > 0:  # zeros stand for positions before the document's start
+        received = 0 if halo is None else halo.shape[1]
+        parts = [x.new_zeros(B, width - received, D)] + ([] if halo is None else [halo])
+        prefix = torch.cat(parts, dim=1)
+    return cp.local_cu_seqlens, prefix
