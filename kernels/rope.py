@@ -28,6 +28,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # libdevice does not run
 
 
 @triton.jit
+def _within_half_turn(angle):
+    """The fp32 angle less its nearest whole number of turns (in fp64, then rounded to fp32): the same
+    cos and sin, to fp32's rounding. libdevice takes a slow exact reduction past ~1e5 radians, which
+    positions past ~100K reach at the highest frequencies: at 1M-token context the kernel took 5x its
+    time on the ranks holding the sequence's far end."""
+    exact = angle.to(tl.float64)
+    # A Python float enters a kernel as fp32: 2*pi is the fp64 sum of two parts fp32 holds exactly
+    # (2*pi to 48 bits: 1e-9 radians off after 1e6 radians of turns, far below fp32's rounding)
+    two_pi = (tl.full(angle.shape, 6.2831854820251465, tl.float32).to(tl.float64)
+              + tl.full(angle.shape, -1.7484555314695172e-07, tl.float32).to(tl.float64))
+    turns = tl.floor(exact * 0.15915494309189535 + 0.5)  # any near-whole count does: |result| ~ pi
+    return (exact - turns * two_pi).to(tl.float32)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, rows, heads, T, pos_rows, HALF, SIGN: tl.constexpr,
                    INTERPRET: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (token, head) rows
@@ -37,8 +52,8 @@ def _rotary_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, rows, heads, T, pos_rows, HA
     # positions are [pos_rows, T]: one row per sequence, or one shared by the batch
     p = tl.load(pos_ptr + (token // T % pos_rows) * T + token % T, mask=row_ok, other=0)
     angle = p.to(tl.float32)[:, None] * tl.load(freq_ptr + col, mask=col_ok, other=0.0)[None, :]
-    # libdevice's cos and sin reduce large angles exactly (positions reach 1M); tl.cos may lower to
-    # the approximate instruction, which does not
+    angle = _within_half_turn(angle)
+    # libdevice's cos and sin are accurate to an ulp; tl.cos may lower to the approximate instruction
     if INTERPRET:
         cos, sin = tl.cos(angle), tl.sin(angle) * SIGN
     else:
