@@ -15,13 +15,17 @@ already discarded and recomputed by the checkpoint itself.
 
 Host buffers are kept in a pool by size and reused from step to step, registered with CUDA (page-
 locked) at their exact size: torch's pinned-memory allocator rounds each block up to a power of two,
-which at long context would double the host memory asked for. On the CPU (tests) the same path runs
-with plain host copies and no streams.
+which at long context would double the host memory asked for. Each is mapped in transparent huge pages
+and written once on several threads before it is registered, which makes the first step's pinning ten
+times faster. On the CPU (tests) the same path runs with plain host copies and no streams.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import mmap
+import os
 import warnings
 import weakref
 
@@ -42,7 +46,7 @@ class _HostPool:
         free = self.free[(numel, dtype)]
         if free:
             return free.pop()
-        buffer = torch.empty(numel, dtype=dtype)
+        buffer = _prefaulted_host_buffer(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
         if self.pin:
             nbytes = buffer.numel() * buffer.element_size()
             status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
@@ -71,6 +75,34 @@ class _HostPool:
         self.registered = []
         self._unregister = weakref.finalize(self, _unregister_buffers, self.registered, self.device)
         self._unregister.atexit = False
+
+
+def _prefaulted_host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer in transparent huge pages where the kernel offers them, its pages faulted in on
+    several threads before CUDA page-locks it. Registering plain memory faults in 4 KiB pages one by one
+    inside the driver: 0.78 GiB/s a rank with four ranks at once on an H200 host, so the 1M config's
+    48 GiB a rank took about a minute of its first step; in huge pages, touched first, 6.5-9.6 GiB/s."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not nbytes or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(numel, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    buffer = torch.frombuffer(region, dtype=torch.uint8)   # keeps the mapping alive
+    _touch_in_parallel(buffer)
+    return buffer.view(dtype)
+
+
+def _touch_in_parallel(buffer: torch.Tensor) -> None:
+    """Write every page once, a slice a thread (a write releases the GIL). torchrun starts each rank
+    with one intra-op thread, so a plain zero_() would fault the pages in on one core."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = max(1, min(8, len(os.sched_getaffinity(0)) // max(ranks_here, 1)))
+    slices = buffer.chunk(threads)
+    if len(slices) == 1:
+        buffer.zero_()
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(slices)) as workers:
+        list(workers.map(torch.Tensor.zero_, slices))
 
 
 def _unregister_buffers(buffers: list[torch.Tensor], device: torch.device | None) -> None:

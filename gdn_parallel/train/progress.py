@@ -236,6 +236,7 @@ class ProgressLogger:
         # line ("compiled": train/compile_watch.py, also said once start-up is over) and whether a
         # checkpoint was being written in the background ("saving")
         self.extras: Callable[[], dict] = dict
+        self.rank = 0   # this process's rank (the trainer's): other ranks print only their compilations
         self.out_dir = Path(settings.out_dir) if settings.out_dir else None
         self.losses: list[float] = []                      # every step's training loss, this process
         self.loss_points: list[tuple[int, float]] = []     # (step, loss) of the same steps
@@ -291,6 +292,17 @@ class ProgressLogger:
             self._interval_paused += pause
             self._paused_total += pause
 
+    def _say_compiled(self, step: int, compiled: dict) -> None:
+        """A compilation is said by the rank that ran it: another rank's (its documents asked for a
+        new kernel variant) held every rank up, yet only rank 0 prints the progress lines."""
+        where = f"step {step}" if not self.rank else f"rank {self.rank}, step {step}"
+        line = (f"note  | {where}: {describe_compiled(compiled)} since the last line "
+                f"(seconds of this interval)")
+        if self.rank:
+            print(line, flush=True)
+        else:
+            self.say(line)
+
     def say(self, line: str) -> None:
         """Print a line above the bar; a trainer prints through this while the loop runs."""
         if self.bar is not None:
@@ -345,8 +357,7 @@ class ProgressLogger:
         if second_line:
             self.say(self.format_startup(record["startup"]))
         elif compiled and len(self.records) > 2:   # past start-up, a compilation is news: it slowed this line
-            self.say(f"note  | step {step}: {describe_compiled(compiled)} since the last line "
-                     f"(seconds of this interval)")
+            self._say_compiled(step, compiled)
         if record.get("alloc_retries"):
             retries = record["alloc_retries"]
             self.say(f"note  | step {step}: the CUDA allocator freed its cache {retries} time(s) "

@@ -339,6 +339,7 @@ def _progress_logger(run: RunState, resumed: bool, setup_phases: dict | None = N
                                 first_step=run.start_step, append=resumed, setup_phases=setup_phases)
     logger = ProgressLogger(settings, run.device, run.say)
     logger.extras = lambda: _line_extras(run)
+    logger.rank = dist.get_rank()
     return logger
 
 

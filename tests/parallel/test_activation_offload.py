@@ -142,3 +142,30 @@ def test_page_locked_buffers_are_unregistered_before_they_are_freed(monkeypatch)
     del pool
     gc.collect()
     assert calls == [("register", later), ("unregister", later)]
+
+
+def test_page_locked_buffers_are_whole_zeroed_and_registered_at_their_size(monkeypatch):
+    """The pool's page-locked path (huge pages, written on several threads before registering) gives a
+    buffer of the exact size and dtype, zeroed, writable, and registered from its first byte to its last."""
+    from gdn_parallel.parallel import offload as offload_module
+    registered = []
+
+    class FakeRuntime:
+        def cudaHostRegister(self, pointer, nbytes, flags):
+            registered.append((pointer, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            return 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeRuntime())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    pool = offload_module._HostPool(pin=True)
+    for numel, dtype in ((3 << 20, torch.float32), (12345, torch.bfloat16), (1, torch.float32)):
+        buffer = pool.take(numel, dtype)
+        assert (buffer.numel(), buffer.dtype) == (numel, dtype)
+        assert registered[-1] == (buffer.data_ptr(), numel * buffer.element_size())
+        assert not buffer.any()
+        buffer.fill_(2)
+        assert (buffer == 2).all()
+    pool.release()

@@ -50,6 +50,22 @@ def test_logger_records_and_says_a_compilation_after_start_up():
                      "(seconds of this interval)"]   # step 1's is start-up's, said by the startup line
 
 
+def test_another_rank_says_its_own_compilation(capsys):
+    """Rank 0 prints the progress lines; a compilation on another rank (its shard's documents asked for
+    a new kernel variant, and every rank waited) is printed by that rank, named."""
+    printed = []
+    logger = ProgressLogger(ProgressSettings(6, 1, 64), torch.device("cpu"), printed.append)
+    logger.rank = 3
+    conv = {"compiled": {"triton": {"_conv_fwd_kernel": 1}}}
+    logger.extras = lambda: conv if len(logger.records) == 4 else {}
+    for step in range(6):
+        logger.step(step, torch.tensor(3.0), 1e-3, torch.tensor(1.0))
+    assert not [line for line in printed if line.startswith("note")]
+    assert capsys.readouterr().out.splitlines() == [
+        "note  | rank 3, step 4: 1 Triton kernel compilations (_conv_fwd_kernel 1) since the last line "
+        "(seconds of this interval)"]
+
+
 def test_a_kernel_compiled_again_says_which_argument_changed(monkeypatch):
     """Triton's hook gives constexprs and specializations keyed by argument index: the watch names the
     argument whose variant changed (here a pointer that lost its 16-byte alignment, and a flag)."""
