@@ -13,8 +13,9 @@ Legs (each its own processes, on the GPUs of --gpus, a time limit each; JSON per
           Python's standard library, bytes), --steps steps logged one by one with an asynchronous
           checkpoint after step --save-after, then resumed from that checkpoint in a new run: the
           resumed losses must equal the first run's bit for bit. The step-time table (median, worst
-          step after the second, the step after the save, what each slow step compiled), the start-up
-          and the end of the run (final evaluation + save) come from metrics.jsonl and the output;
+          step after the second, the step after the save, what each slow step compiled on any
+          rank), the start-up and the end of the run (final evaluation + save) come from
+          metrics.jsonl and the output;
   data    only the documents of `long` (before legs that run side by side);
   drill   tools/fault_drill.py restarts: torchrun --max-restarts=1, one of 2 ranks SIGKILLed after a
           checkpoint exists, the job must finish from its newest checkpoint (2 jobs; first 2 GPUs).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -176,6 +178,15 @@ def step_table(records: list[dict], save_after: int) -> dict:
     }
 
 
+def other_ranks_compiled(log: Path) -> list[str]:
+    """The compilations of ranks other than 0 after start-up, as they printed them (`note  | rank R,
+    step S: ...`): the metrics hold rank 0's alone, and any rank's slows every rank's step."""
+    if not log.is_file():
+        return []
+    return [line.strip() for line in log.read_text(errors="replace").splitlines()
+            if re.match(r"\s*note +\| rank \d+, step \d+:", line)]
+
+
 def _tokens_per_step(record: dict) -> float:
     return record["tokens_per_s"] * record["interval_s"]
 
@@ -218,6 +229,7 @@ def leg_long(args, n: int, out: Path) -> dict:
     losses_again = {r["step"]: r["loss"] for r in again if "loss" in r}
     compared = sorted(set(losses_again) & {s for s in losses if s > args.save_after})
     table = step_table(records, args.save_after)
+    table["compiled_other_ranks"] = other_ranks_compiled(out / f"long_{n}gpu.log")
     startup = next((r["startup"] for r in records if "startup" in r), None)
     last = max((r for r in records if "interval_s" in r), key=lambda r: r["step"], default=None)
     summary = next((r for r in reversed(records) if "tokens_per_s" in r and "final_loss" in r), None)

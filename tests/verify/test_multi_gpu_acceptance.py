@@ -39,6 +39,17 @@ def test_a_log_interval_of_several_steps_is_not_a_step_time():
     assert list(acceptance.step_table(records, save_after=1)["step_s"]) == ["0", "1", "2"]
 
 
+def test_other_ranks_compilations_are_read_from_the_log(tmp_path):
+    log = tmp_path / "long_4gpu.log"
+    lines = ["step 3/9 | loss 5.1",
+             "note  | rank 2, step 3: 3 Triton kernel compilations (_conv_fwd_kernel 1, "
+             "_conv_dz_kernel 1, _conv_dx_kernel 1) since the last line (seconds of this interval)",
+             "note  | step 5: the CUDA allocator freed its cache 1 time(s)"]
+    log.write_text("\n".join(lines) + "\n")
+    assert acceptance.other_ranks_compiled(log) == [lines[1]]
+    assert acceptance.other_ranks_compiled(tmp_path / "missing.log") == []
+
+
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_the_verify_halves_cover_the_default_set_once(gpus):
     whole = acceptance.verify_layouts(gpus, "1/1")
