@@ -77,7 +77,7 @@ if [[ " $parts " == *" tests "* ]]; then
     step conv_gates 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_short_conv_triton.py \
         tests/kernels/test_gates_triton.py tests/kernels/test_rope_triton.py tests/kernels/test_swiglu_triton.py &
     step model_jobs 420 python3 -m pytest -q "${T[@]}" tests/kernels/test_model_gpu.py \
-        tests/kernels/test_real_job_gpu.py tests/kernels/test_no_sync_gpu.py &
+        tests/kernels/test_real_job_gpu.py tests/kernels/test_no_sync_gpu.py tests/kernels/test_offload_gpu.py &
     # The resume test trains gdn-0.4b at its own batch (52 GB): beside the others it fits an H200's
     # 140 GB but not an H100's 80 (out of memory in two other groups, 2026-11-26), so there it runs
     # after them.
