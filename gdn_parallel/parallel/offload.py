@@ -82,7 +82,7 @@ def _prefaulted_host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     several threads before CUDA page-locks it. Registering plain memory faults in 4 KiB pages one by one
     inside the driver: 0.78 GiB/s a rank with four ranks at once on an H200 host, so the 1M config's
     48 GiB a rank took about a minute of its first step; in huge pages, touched first, 6.5-9.6 GiB/s."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if not nbytes or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(numel, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

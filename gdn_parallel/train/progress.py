@@ -295,13 +295,11 @@ class ProgressLogger:
     def _say_compiled(self, step: int, compiled: dict) -> None:
         """A compilation is said by the rank that ran it: another rank's (its documents asked for a
         new kernel variant) held every rank up, yet only rank 0 prints the progress lines."""
-        where = f"step {step}" if not self.rank else f"rank {self.rank}, step {step}"
-        line = (f"note  | {where}: {describe_compiled(compiled)} since the last line "
-                f"(seconds of this interval)")
+        what = f"{describe_compiled(compiled)} since the last line (seconds of this interval)"
         if self.rank:
-            print(line, flush=True)
+            print(f"note  | rank {self.rank}, step {step}: {what}", flush=True)
         else:
-            self.say(line)
+            self.say(f"note  | step {step}: {what}")
 
     def say(self, line: str) -> None:
         """Print a line above the bar; a trainer prints through this while the loop runs."""
