@@ -5,7 +5,8 @@ gdn_parallel/ops/kda/chunk.py). Documents are laid out chunk-aligned (kernels/ch
 the GDN kernels (gated_delta_rule/), whose loaders, UT-inverse pieces and launch ladder these reuse:
 the kernels read q, k, v, g, beta and dO in the caller's unpadded rows and write O, dq, dk, dv, dg
 and dbeta there; only their own buffers are padded. Within a chunk every product that carries a
-decay is built on 16-token blocks (common.py), so no exponent is ever positive.
+decay is built on 16-token blocks through a reference decay (common.py), so no factor ever
+overflows.
 
 Kept from the forward for the backward: G and P(K) (fp32), T, scale P(Q), W, K o e^{G_C - G},
 scale Q o e^G, the chunk states and Delta (input dtype): [Tp, HV] x (5K + 3C + V) + chunks x HV x K x V
@@ -36,15 +37,17 @@ __all__ = ["triton_kimi_delta_attention", "CHUNK", "MAX_HEAD_DIM"]
 # Launch settings. The sequential walks take the GDN kernels' first choices (gated_delta_rule/__init__.py,
 # TUNING: value blocks of 32, 4 warps, 3 stages); the per-chunk kernels have warps of their own, set by
 # ptxas spill counts for sm_90 and the timings below. channel_group: channels per [16, 16, channels]
-# tile of the forward's diagonal blocks; diagonal_tile: values per [16, group, K] tile of the backward's.
+# tile of the forward's exactly summed diagonal blocks (those that forget too fast to factor);
+# diagonal_tile: values per [16, group, K] tile of the backward's.
 # Where a device lacks the shared memory for a setting (K = 256, fp32 inputs), launch_fitting steps down
 # to shallower pipelining and narrower value blocks.
 # Measured on one H200 (16 heads, K = V = 128, 8 x 4096 tokens, bf16, Triton 3.6): qkw_backward 2.9 ms at
 # 4 warps, 1.05 at 8; intra_backward 5.4 ms at 4 warps with [16, 4, 128] tiles, 23 ms at 8 warps with
-# [16, 2, 128]; intra_forward 8.1 ms (4 warps, 32 channels) and 8.8 ms (8 warps, 16 channels).
-TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_block_v": 64, "intra_forward_warps": 4,
-          "output_warps": 4, "qkw_warps": 8, "ut_warps": 4, "intra_warps": 4, "channel_group": 32,
-          "diagonal_tile": 8192}
+# [16, 2, 128]; once its diagonal blocks factored, 3.34 ms at 4 or 8 warps with the exact sums compiled
+# in (3.25 and 2.88 without them); decayed_products 1.26 ms at 4 warps, 1.32 at 8 (docs/kernels.md).
+TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_block_v": 64, "products_warps": 4,
+          "ut_forward_warps": 4, "output_warps": 4, "qkw_warps": 8, "ut_warps": 4, "intra_warps": 4,
+          "channel_group": 32, "diagonal_tile": 8192}
 
 
 def triton_kimi_delta_attention(q, k, v, g, beta, *, scale: float, initial_state: torch.Tensor | None = None,
@@ -163,6 +166,11 @@ def _parallel_settings(V: int, warps: str):
     return setting_ladder(value_blocks(V, TUNING["parallel_block_v"]), TUNING[warps], 3)
 
 
+def _products_settings():
+    """decayed_products has no value columns: warps and pipelining only."""
+    return [{"num_warps": TUNING["products_warps"], "num_stages": s} for s in (2, 1)]
+
+
 def _intra_settings():
     """intra_backward has no value columns: warps and pipelining only."""
     return [{"num_warps": TUNING["intra_warps"], "num_stages": s} for s in (2, 1)]
@@ -185,10 +193,13 @@ class _ChunkKDA(torch.autograd.Function):
         pk = _buffer((Tp, HV, CHUNK), torch.float32, dev)   # fp32: A = diag(beta) P(K) is read back from it
         w, k_to_end = (_buffer((Tp, HV, K), dt, dev) for _ in range(2))
         u = _buffer((Tp, HV, V), dt, dev)
-        launch_fitting(fwd.intra_forward, lambda s: (n, HV),
-                       (q, k, v, g, beta, cum, t_inv, aqk, pk, w, u, k_to_end, layout.chunk_rows, scale,
-                        q.shape[1], HV, K, V, CHUNK, BK), _parallel_settings(V, "intra_forward_warps"), key,
-                       KC=channel_group(BK, TUNING["channel_group"]), PREC=_precision(v))
+        launch_fitting(fwd.decayed_products, lambda s: (n, HV, CHUNK // 16),
+                       (q, k, g, cum, aqk, pk, layout.chunk_rows, scale, q.shape[1], HV, K, CHUNK, BK),
+                       _products_settings(), key, KC=channel_group(BK, TUNING["channel_group"]),
+                       PREC=_precision(v))
+        launch_fitting(fwd.ut_forward, lambda s: (n, HV),
+                       (k, v, beta, cum, t_inv, pk, w, u, k_to_end, layout.chunk_rows, HV, q.shape[1], K, V,
+                        CHUNK, BK), _parallel_settings(V, "ut_forward_warps"), key, PREC=_precision(v))
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = with_received_state(h0, relay)    # after the chunk work above, which the wait overlapped
         sends = relay is not None and relay.sends
@@ -245,7 +256,8 @@ class _ChunkKDA(torch.autograd.Function):
         dg = _buffer((total, HV, K), ctx.g_dtype, dev)
         launch_fitting(bwd.intra_backward, lambda s: (n, HV),
                        (q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, dg, rows, H, HV, K, CHUNK, BK),
-                       _intra_settings(), key, JG=diagonal_group(BK, TUNING["diagonal_tile"]))
+                       _intra_settings(), key, JG=diagonal_group(BK, TUNING["diagonal_tile"]),
+                       PREC=_precision(v))
         if group > 1:
             dq, dk = (x.view(total, H, group, K).sum(2).to(q.dtype) for x in (dq, dk))
         dh0 = None if dh0 is None or ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)

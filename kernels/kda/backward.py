@@ -187,7 +187,8 @@ def ut_backward(k, v, beta, cum, t_inv, pk, dw, dd, dk_part, dcum, dv, dbeta, dp
 
 @triton.jit
 def intra_backward(q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, dg, chunk_rows, H: tl.constexpr,
-                   HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr):
+                   HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr,
+                   PREC: tl.constexpr):
     """Through the decayed products P(Q) and P(K), one 16-token block of rows at a time: finishes dq and
     dk (the caller's rows, per value head: [tokens, HV, K]) and dG, then dg (the caller's, unpadded)
     as the reverse cumulative sum of dG over the chunk."""
@@ -198,9 +199,9 @@ def intra_backward(q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, dg, chun
     for r in tl.static_range(C // 16):
         rows, src, left = row0 + 16 * r, src0 + 16 * r, real - 16 * r
         dq_left, dk_left = row_block_grads(dpq, dpk, k, cum, src0, real, row0, r, qk_head, hv, H, HV, K, C,
-                                           BK, JG)
+                                           BK, JG, PREC)
         dk_of_q, dk_right = column_block_grads(dpq, dpk, q, k, cum, src0, real, row0, r, qk_head, hv, H, HV,
-                                               K, C, BK, JG)
+                                               K, C, BK, JG, PREC)
         q_r = load_token_rows(q, src, left, qk_head, H, K, 16, BK).to(tl.float32)
         k_r = load_token_rows(k, src, left, qk_head, H, K, 16, BK).to(tl.float32)
         dq_r = load_rows(dq_part, rows, hv, HV, K, 16, BK) + dq_left

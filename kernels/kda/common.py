@@ -10,15 +10,20 @@ A chunk's decayed products (docs/kernels.md, "Kimi Delta Attention"):
 
     P(X)_ij = sum_c X_ic K_jc exp(G_ic - G_jc)        (j <= i; 0 above the diagonal)
 
-are built and differentiated in 16 x 16 blocks, so that no exponent is ever positive (exp(-G) alone
-overflows once a channel forgets: g = -5 over 64 tokens is exp(320)). Block (a, b) below the
-diagonal factors through the decay at the end of block a - 1, `ref`:
+never take exp(-G) alone, which overflows once a channel forgets (g = -5 over 64 tokens is
+exp(320)). Each product factors through a reference decay ref_c between the two tokens' decays:
 
-    exp(G_ic - G_jc) = exp(G_ic - ref_c) exp(ref_c - G_jc),    both factors <= 1 (i >= ref >= j),
+    exp(G_ic - G_jc) = exp(G_ic - ref_c) exp(ref_c - G_jc),
 
-one matrix product of decayed rows. A diagonal block has no such split without a positive factor: it
-is summed one column (or row) at a time over the channels, each exponent masked to -inf above the
-diagonal before exp.
+one tensor-core product of decayed rows. Left of the diagonal block of rows a, the decay at the end
+of block a - 1 makes both factors <= 1 (i >= ref >= j). The diagonal block (and with it the whole
+block row, in the forward) factors through the midpoint of its own decay, mid_c = (G_first,c +
+G_last,c) / 2, whenever its decay range R_c = G_first,c - G_last,c stays within FACTORED_RANGE on
+every channel: each factor is then within e^{+-R_c / 2}, and the products above the diagonal (up to
+e^{R_c}, finite) are masked after it. A block that forgets faster (past e^-5 a token on average) has
+its diagonal summed exactly, one column (or row) at a time over the channels, each exponent masked
+to -inf above the diagonal before exp. The choice is made per block at run time, so no input ever
+compiles another kernel.
 """
 import triton
 import triton.language as tl
@@ -29,6 +34,11 @@ from ..gated_delta_rule.common import (
     load_rows,
     load_token_rows,
 )
+
+# The largest decay range over a diagonal block (natural log, per channel) that factors through its
+# midpoint: factors up to e^40, products up to e^80, within fp32's and bf16's e^88 (fp16's e^11 is not:
+# fp16 inputs multiply these factors in fp32).
+FACTORED_RANGE = tl.constexpr(80.0)
 
 
 @triton.jit
@@ -46,53 +56,55 @@ def load_block_beta(beta, src0, real, hv, HV: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def diagonal_block_pair(q, k, cum, src0, real, row0, a, qk_head, hv, H: tl.constexpr, HV: tl.constexpr,
-                        K: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr):
+def block_midpoint(cum, row, hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """The 16-row block of `cum` from padded row `row`: its decay midpoint [BK] and whether the block
+    factors through it (every channel's range within FACTORED_RANGE)."""
+    first = load_row(cum, row, hv, HV, K, BK)
+    last = load_row(cum, row + 15, hv, HV, K, BK)
+    return (first + last) * 0.5, tl.max(first - last, axis=0) <= FACTORED_RANGE
+
+
+@triton.jit
+def factored_dot(a, b, like, PREC: tl.constexpr):
+    """a @ b of fp32 tiles holding midpoint factors: bf16 operands when `like` (a pointer) is bf16,
+    fp32 ones (at PREC) otherwise, since fp16 cannot hold e^40."""
+    if like.dtype.element_ty == tl.bfloat16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def summed_diagonal_pair(q, k, cum, src0, real, row0, a, qk_head, hv, H: tl.constexpr, HV: tl.constexpr,
+                         K: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr):
     """Diagonal block (a, a) of P(Q) and P(K) of the chunk starting at padded row row0 (caller rows
-    src0.., `real` real tokens): two [16, 16] fp32 tiles, P(Q) with its diagonal, P(K) strictly lower
-    (all that A = strictLower(diag(beta) P(K)) reads). Summed over the channels KC at a time, as
-    [16, 16, KC] tiles."""
+    src0.., `real` real tokens), for a block that forgets too fast for midpoint factors: two [16, 16]
+    fp32 tiles, P(Q) with its diagonal, P(K) strictly lower (all that A = strictLower(diag(beta) P(K))
+    reads), summed over the channels KC at a time, as [16, 16, KC] tiles."""
     ra = 16 * a
     i = tl.arange(0, 16)
     p_q = tl.zeros([16, 16], dtype=tl.float32)
     p_k = tl.zeros([16, 16], dtype=tl.float32)
     causal = (i[:, None] >= i[None, :])[:, :, None]
     for c0 in tl.range(0, BK, KC):
-        q_a = load_token_rows(q, src0 + ra, real - ra, qk_head, H, K, 16, KC, c0).to(tl.float32)
-        k_a = load_token_rows(k, src0 + ra, real - ra, qk_head, H, K, 16, KC, c0).to(tl.float32)
-        g_a = load_rows(cum, row0 + ra, hv, HV, K, 16, KC, c0)
-        decay = tl.exp(tl.where(causal, g_a[:, None, :] - g_a[None, :, :], float("-inf")))
-        k_decayed = k_a[None, :, :] * decay                                  # [i, j, c]
-        p_q += tl.sum(q_a[:, None, :] * k_decayed, axis=2)
-        p_k += tl.sum(k_a[:, None, :] * k_decayed, axis=2)
+        q_c = load_token_rows(q, src0 + ra, real - ra, qk_head, H, K, 16, KC, c0).to(tl.float32)
+        k_c = load_token_rows(k, src0 + ra, real - ra, qk_head, H, K, 16, KC, c0).to(tl.float32)
+        g_c = load_rows(cum, row0 + ra, hv, HV, K, 16, KC, c0)
+        decay = tl.exp(tl.where(causal, g_c[:, None, :] - g_c[None, :, :], float("-inf")))
+        k_decayed = k_c[None, :, :] * decay                                      # [i, j, c]
+        p_q += tl.sum(q_c[:, None, :] * k_decayed, axis=2)
+        p_k += tl.sum(k_c[:, None, :] * k_decayed, axis=2)
     return p_q, tl.where(i[:, None] > i[None, :], p_k, 0.)
 
 
 @triton.jit
-def off_diagonal_block_pair(q, k, cum, src0, real, row0, a, b, qk_head, hv, H: tl.constexpr,
-                            HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Block (a, b), a > b, of P(Q) and P(K): one product of decayed rows each, through the decay at
-    the end of block a - 1."""
-    ra, rb = 16 * a, 16 * b
-    q_a = load_token_rows(q, src0 + ra, real - ra, qk_head, H, K, 16, BK).to(tl.float32)
-    k_a = load_token_rows(k, src0 + ra, real - ra, qk_head, H, K, 16, BK).to(tl.float32)
-    g_a = load_rows(cum, row0 + ra, hv, HV, K, 16, BK)
-    ref = load_row(cum, row0 + ra - 1, hv, HV, K, BK)
-    k_b = load_token_rows(k, src0 + rb, real - rb, qk_head, H, K, 16, BK).to(tl.float32)
-    g_b = load_rows(cum, row0 + rb, hv, HV, K, 16, BK)
-    k_b_decayed = (k_b * tl.exp(ref[None, :] - g_b)).to(k.dtype.element_ty)
-    from_ref = tl.exp(g_a - ref[None, :])
-    p_q = tl.dot((q_a * from_ref).to(q.dtype.element_ty), tl.trans(k_b_decayed))
-    p_k = tl.dot((k_a * from_ref).to(k.dtype.element_ty), tl.trans(k_b_decayed))
-    return p_q, p_k
-
-
-@triton.jit
 def row_block_grads(dpq, dpk, k, cum, src0, real, row0, r: tl.constexpr, qk_head, hv, H: tl.constexpr,
-                    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr):
+                    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr,
+                    PREC: tl.constexpr):
     """Rows 16r.. of dX_ic = sum_{j <= i} dP_ij K_jc exp(G_ic - G_jc), the gradient of P(X) through
-    its left factor, for dP = dP(Q) and dP(K) ([Tp, HV, C] fp32, lower). Two [16, BK] fp32 tiles.
-    The diagonal block takes JG columns j at a time, as [16, JG, BK] tiles."""
+    its left factor, for dP = dP(Q) and dP(K) ([Tp, HV, C] fp32, zero above the diagonal). Two
+    [16, BK] fp32 tiles. The diagonal block is one product of midpoint factors, or, when it forgets
+    too fast, JG columns j at a time, as [16, JG, BK] tiles."""
     NB: tl.constexpr = C // 16
     tl.static_assert(r < NB)
     rr: tl.constexpr = 16 * r
@@ -113,29 +125,37 @@ def row_block_grads(dpq, dpk, k, cum, src0, real, row0, r: tl.constexpr, qk_head
         from_ref = tl.exp(g_r - ref[None, :])
         acc_q *= from_ref
         acc_k *= from_ref
-    jj = tl.arange(0, JG)
-    for j0 in tl.range(0, 16, JG):
-        k_j = load_token_rows(k, src0 + rr + j0, real - rr - j0, qk_head, H, K, JG, BK).to(tl.float32)
-        g_j = load_rows(cum, row0 + rr + j0, hv, HV, K, JG, BK)
-        causal = (i[:, None] >= j0 + jj[None, :])[:, :, None]
-        exponent = tl.where(causal, g_r[:, None, :] - g_j[None, :, :], float("-inf"))         # [i, j, c]
-        k_decayed = k_j[None, :, :] * tl.exp(exponent)
-        # (names apart from the products' above: a loop may not change a variable's shape)
-        dp_q_cols = load_rows(dpq, row0 + rr, hv, HV, C, 16, JG, rr + j0)              # [i, j]
-        dp_k_cols = load_rows(dpk, row0 + rr, hv, HV, C, 16, JG, rr + j0)
-        acc_q += tl.sum(dp_q_cols[:, :, None] * k_decayed, axis=1)
-        acc_k += tl.sum(dp_k_cols[:, :, None] * k_decayed, axis=1)
+    mid, factored = block_midpoint(cum, row0 + rr, hv, HV, K, BK)
+    if factored:
+        k_r = load_token_rows(k, src0 + rr, real - rr, qk_head, H, K, 16, BK).to(tl.float32)
+        k_up = k_r * tl.exp(mid[None, :] - g_r)
+        down = tl.exp(g_r - mid[None, :])
+        acc_q += factored_dot(load_rows(dpq, row0 + rr, hv, HV, C, 16, 16, rr), k_up, k, PREC) * down
+        acc_k += factored_dot(load_rows(dpk, row0 + rr, hv, HV, C, 16, 16, rr), k_up, k, PREC) * down
+    else:
+        jj = tl.arange(0, JG)
+        for j0 in tl.range(0, 16, JG):
+            k_j = load_token_rows(k, src0 + rr + j0, real - rr - j0, qk_head, H, K, JG, BK).to(tl.float32)
+            g_j = load_rows(cum, row0 + rr + j0, hv, HV, K, JG, BK)
+            causal = (i[:, None] >= j0 + jj[None, :])[:, :, None]
+            exponent = tl.where(causal, g_r[:, None, :] - g_j[None, :, :], float("-inf"))     # [i, j, c]
+            k_decayed = k_j[None, :, :] * tl.exp(exponent)
+            # (names apart from the products' above: a loop may not change a variable's shape)
+            dp_q_cols = load_rows(dpq, row0 + rr, hv, HV, C, 16, JG, rr + j0)          # [i, j]
+            dp_k_cols = load_rows(dpk, row0 + rr, hv, HV, C, 16, JG, rr + j0)
+            acc_q += tl.sum(dp_q_cols[:, :, None] * k_decayed, axis=1)
+            acc_k += tl.sum(dp_k_cols[:, :, None] * k_decayed, axis=1)
     return acc_q, acc_k
 
 
 @triton.jit
 def column_block_grads(dpq, dpk, q, k, cum, src0, real, row0, r: tl.constexpr, qk_head, hv,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                       JG: tl.constexpr):
+                       JG: tl.constexpr, PREC: tl.constexpr):
     """Rows 16r.. of dK_jc = sum_{i >= j} dP_ij X_ic exp(G_ic - G_jc), the gradient of P(X) through
     its right factor, for (dP(Q), X = Q) and (dP(K), X = K). Two [16, BK] fp32 tiles. The blocks
-    below factor through the decay at the end of block r; the diagonal block takes JG rows i at a
-    time, as [JG, 16, BK] tiles."""
+    below factor through the decay at the end of block r; the diagonal block through its midpoint,
+    or, when it forgets too fast, JG rows i at a time, as [JG, 16, BK] tiles."""
     NB: tl.constexpr = C // 16
     tl.static_assert(r < NB)
     rr: tl.constexpr = 16 * r
@@ -156,17 +176,28 @@ def column_block_grads(dpq, dpk, q, k, cum, src0, real, row0, r: tl.constexpr, q
         to_ref = tl.exp(ref[None, :] - g_r)
         acc_q *= to_ref
         acc_k *= to_ref
-    ii = tl.arange(0, JG)
-    for i0 in tl.range(0, 16, JG):
-        q_i = load_token_rows(q, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
-        k_i = load_token_rows(k, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
-        g_i = load_rows(cum, row0 + rr + i0, hv, HV, K, JG, BK)
-        causal = (i0 + ii[:, None] >= j[None, :])[:, :, None]
-        decay = tl.exp(tl.where(causal, g_i[:, None, :] - g_r[None, :, :], float("-inf")))   # [i, j, c]
-        dp_q_rows = load_rows(dpq, row0 + rr + i0, hv, HV, C, JG, 16, rr)              # [i, j]
-        dp_k_rows = load_rows(dpk, row0 + rr + i0, hv, HV, C, JG, 16, rr)
-        acc_q += tl.sum((dp_q_rows[:, :, None] * q_i[:, None, :]) * decay, axis=0)
-        acc_k += tl.sum((dp_k_rows[:, :, None] * k_i[:, None, :]) * decay, axis=0)
+    mid, factored = block_midpoint(cum, row0 + rr, hv, HV, K, BK)
+    if factored:
+        down = tl.exp(g_r - mid[None, :])
+        up = tl.exp(mid[None, :] - g_r)
+        q_r = load_token_rows(q, src0 + rr, real - rr, qk_head, H, K, 16, BK).to(tl.float32)
+        k_r = load_token_rows(k, src0 + rr, real - rr, qk_head, H, K, 16, BK).to(tl.float32)
+        dp_q_t = tl.trans(load_rows(dpq, row0 + rr, hv, HV, C, 16, 16, rr))
+        dp_k_t = tl.trans(load_rows(dpk, row0 + rr, hv, HV, C, 16, 16, rr))
+        acc_q += factored_dot(dp_q_t, q_r * down, q, PREC) * up
+        acc_k += factored_dot(dp_k_t, k_r * down, k, PREC) * up
+    else:
+        ii = tl.arange(0, JG)
+        for i0 in tl.range(0, 16, JG):
+            q_i = load_token_rows(q, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
+            k_i = load_token_rows(k, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
+            g_i = load_rows(cum, row0 + rr + i0, hv, HV, K, JG, BK)
+            causal = (i0 + ii[:, None] >= j[None, :])[:, :, None]
+            decay = tl.exp(tl.where(causal, g_i[:, None, :] - g_r[None, :, :], float("-inf")))  # [i, j, c]
+            dp_q_rows = load_rows(dpq, row0 + rr + i0, hv, HV, C, JG, 16, rr)          # [i, j]
+            dp_k_rows = load_rows(dpk, row0 + rr + i0, hv, HV, C, JG, 16, rr)
+            acc_q += tl.sum((dp_q_rows[:, :, None] * q_i[:, None, :]) * decay, axis=0)
+            acc_k += tl.sum((dp_k_rows[:, :, None] * k_i[:, None, :]) * decay, axis=0)
     return acc_q, acc_k
 
 

@@ -3,10 +3,12 @@
 Per chunk of C = 64 tokens, with G the cumulative log decay from the chunk start ([C, K]) and the
 decayed products P (common.py):
 
-1. `intra_forward` (parallel over chunks x heads, independent of the state): G (stored fp32), the
-   blocks of P(Q) and P(K), A = strictLower(diag(beta) P(K)) and T = (I + A)^-1 (blocked forward
-   substitution), then W = T diag(beta) (K o e^G), U = T diag(beta) V and K o e^{G_C - G}.
-   Stores T, scale * P(Q) (input dtype) and P(K) (fp32) for the output and the backward.
+1. `decayed_products` (parallel over chunks x heads x 16-token block rows, independent of the state):
+   G (stored fp32), then the block row's P(Q) and P(K), each one product through a reference decay
+   (common.py). Stores scale * P(Q) (input dtype) and P(K) (fp32) for the output and the backward.
+   `ut_forward` (parallel over chunks x heads): A = strictLower(diag(beta) P(K)) and T = (I + A)^-1
+   (blocked forward substitution), then W = T diag(beta) (K o e^G), U = T diag(beta) V and
+   K o e^{G_C - G}; stores T.
 2. `state_forward` (the only sequential part; per document, head and value block): the fp32 state in
    registers, Delta = U - W S, S <- Diag(e^{G_C}) S + (K o e^{G_C - G})^T Delta. Stores the state at
    every chunk start (input dtype: read back, never carried) and Delta; the final state in fp32.
@@ -25,10 +27,11 @@ from ..gated_delta_rule.common import (
     store_token_rows,
 )
 from .common import (
-    diagonal_block_pair,
+    block_midpoint,
+    factored_dot,
     load_block_beta,
     load_row,
-    off_diagonal_block_pair,
+    summed_diagonal_pair,
     unit_lower_inverse_from_blocks,
 )
 
@@ -42,35 +45,61 @@ def _a_block(pk, beta, src0, real, row0, a: tl.constexpr, b: tl.constexpr, hv, H
 
 
 @triton.jit
-def intra_forward(q, k, v, g, beta, cum, t_inv, aqk, pk, w, u, k_to_end, chunk_rows, scale,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr):
-    """q, k [tokens, H, K], v [tokens, HV, V], g [tokens, HV, K], beta [tokens, HV]: the caller's,
-    unpadded (chunk_rows). Writes cum [Tp, HV, K] fp32; t_inv, aqk, pk [Tp, HV, C]; w, k_to_end
-    [Tp, HV, K]; u [Tp, HV, V]."""
+def decayed_products(q, k, g, cum, aqk, pk, chunk_rows, scale, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Rows 16a.. (a = program_id 2) of a chunk's P(Q) and P(K): two [16, C] fp32 tiles, each one
+    product of the block's rows with all the chunk's keys through one reference decay. The midpoint
+    of the block's own decay where it factors (common.py), else the decay at the end of block a - 1
+    for the blocks left of the diagonal and the exact sum on it. Stored whole (zeros above the
+    diagonal): scale P(Q) to aqk (input dtype), P(K) to pk (fp32); G of the block's rows to cum."""
     tl.static_assert(C == 64, "the decayed products are written for chunks of 4 x 16 tokens")
+    chunk, hv, a = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0 = chunk * C
+    ra = 16 * a
+    src0, real = chunk_tokens(chunk_rows, chunk)
+    qk_head = hv // (HV // H)
+    rows = tl.arange(0, C)
+    g_all = load_token_rows(g, src0, real, hv, HV, K, C, BK).to(tl.float32)
+    prefix = tl.sum(tl.where(rows[:, None] < ra, g_all, 0.), axis=0)      # G at the end of block a - 1
+    G_all = tl.cumsum(g_all, axis=0)
+    cols = tl.arange(0, BK)
+    own_rows = (rows[:, None] >= ra) & (rows[:, None] < ra + 16) & (cols[None, :] < K)
+    tl.store(cum + ((row0 + rows.to(tl.int64))[:, None] * HV + hv) * K + cols[None, :], G_all, mask=own_rows)
+    tl.debug_barrier()  # the block's G is read back as [16, BK] rows, by other threads than wrote them
+    mid, factored = block_midpoint(cum, row0 + ra, hv, HV, K, BK)
+    ref = tl.where(factored, mid, prefix)
+    reach = tl.where(factored, ra + 16, ra)      # keys through ref: up to the diagonal block or before it
+    keys = load_token_rows(k, src0, real, qk_head, H, K, C, BK).to(tl.float32)
+    keys = keys * tl.exp(tl.where(rows[:, None] < reach, ref[None, :] - G_all, float("-inf")))
+    down = tl.exp(load_rows(cum, row0 + ra, hv, HV, K, 16, BK) - ref[None, :])
+    q_a = load_token_rows(q, src0 + ra, real - ra, qk_head, H, K, 16, BK).to(tl.float32)
+    k_a = load_token_rows(k, src0 + ra, real - ra, qk_head, H, K, 16, BK).to(tl.float32)
+    p_q = factored_dot(q_a * down, tl.trans(keys), q, PREC)
+    p_k = factored_dot(k_a * down, tl.trans(keys), k, PREC)
+    i = tl.arange(0, 16)
+    p_q = tl.where(rows[None, :] <= ra + i[:, None], p_q, 0.)
+    p_k = tl.where(rows[None, :] < ra + i[:, None], p_k, 0.)
+    store_rows(aqk, p_q * scale, row0 + ra, hv, HV, C, 16, C)
+    store_rows(pk, p_k, row0 + ra, hv, HV, C, 16, C)
+    if reach == ra:  # a block that forgets too fast: its diagonal, stored above as zeros, summed exactly
+        d_q, d_k = summed_diagonal_pair(q, k, cum, src0, real, row0, a, qk_head, hv, H, HV, K, BK, KC)
+        tl.debug_barrier()  # after the zeros' stores by other threads
+        store_rows(aqk, d_q * scale, row0 + ra, hv, HV, C, 16, 16, ra)
+        store_rows(pk, d_k, row0 + ra, hv, HV, C, 16, 16, ra)
+
+
+@triton.jit
+def ut_forward(k, v, beta, cum, t_inv, pk, w, u, k_to_end, chunk_rows, HV: tl.constexpr, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               PREC: tl.constexpr):
+    """T = (I + A)^-1 from the stored P(K) (blocked forward substitution), then W = T diag(beta)
+    (K o e^G), U = T diag(beta) V and K o e^{G_C - G}: t_inv [Tp, HV, C]; w, k_to_end [Tp, HV, K];
+    u [Tp, HV, V]."""
     chunk, hv = tl.program_id(0), tl.program_id(1)
     row0 = chunk * C
     src0, real = chunk_tokens(chunk_rows, chunk)
     qk_head = hv // (HV // H)
-    gg = load_token_rows(g, src0, real, hv, HV, K, C, BK).to(tl.float32)
-    store_rows(cum, tl.cumsum(gg, axis=0), row0, hv, HV, K, C, BK)
-    tl.debug_barrier()  # G is read back below in 16-token blocks, by other threads than wrote it
-    # The blocks of P(Q) and P(K) in loops, each stored at once: unrolled, their loads were all hoisted
-    # and spilled (ptxas, sm_90, K = 128).
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    for a in tl.range(0, C // 16):
-        p_q, p_k = diagonal_block_pair(q, k, cum, src0, real, row0, a, qk_head, hv, H, HV, K, BK, KC)
-        store_rows(aqk, p_q * scale, row0 + 16 * a, hv, HV, C, 16, 16, 16 * a)
-        store_rows(pk, p_k, row0 + 16 * a, hv, HV, C, 16, 16, 16 * a)
-        for b in tl.range(0, a):
-            p_q, p_k = off_diagonal_block_pair(q, k, cum, src0, real, row0, a, b, qk_head, hv, H, HV, K, BK)
-            store_rows(aqk, p_q * scale, row0 + 16 * a, hv, HV, C, 16, 16, 16 * b)
-            store_rows(pk, p_k, row0 + 16 * a, hv, HV, C, 16, 16, 16 * b)
-        for b in tl.range(a + 1, C // 16):  # the upper blocks, so that later kernels read whole tiles
-            store_rows(aqk, zero, row0 + 16 * a, hv, HV, C, 16, 16, 16 * b)
-            store_rows(pk, zero, row0 + 16 * a, hv, HV, C, 16, 16, 16 * b)
-    tl.debug_barrier()  # P(K) is read back in blocks
     unit_lower_inverse_from_blocks(
         _a_block(pk, beta, src0, real, row0, 0, 0, hv, HV, C),
         _a_block(pk, beta, src0, real, row0, 1, 0, hv, HV, C),

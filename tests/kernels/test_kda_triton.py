@@ -81,6 +81,23 @@ def test_fp16_batch_without_initial_state_matches_oracle():
     assert_close(run(inputs, "triton", torch.float16, with_state=False), expected, 2e-2)
 
 
+def test_blocks_that_forget_too_fast_for_the_midpoint_factors_are_summed_exactly():
+    """A diagonal 16-token block factors through its midpoint decay only while every channel's decay
+    over it stays within FACTORED_RANGE (natural log); here one channel forgets at g = -25 a token
+    over 40 tokens (a block range of 375: factors of e^187 would overflow), the others as in
+    documents_case, so both kinds of blocks run in one call, against the float64 oracle at 1e-5."""
+    from gdn_kernels.kda.common import FACTORED_RANGE
+
+    inputs = strong_decay_inputs(1, DOCS[-1], 1, 2, 16, 48, seed=36, num_states=len(DOCS) - 1)
+    inputs[3][0, 100:140, :, 1] = -25.0
+    cu = torch.tensor(DOCS)
+    block_ranges = torch.cat([(-inputs[3][0, s:e]).unfold(0, 16, 16).sum(-1).amax((1, 2))
+                              for s, e in zip(DOCS[:-1], DOCS[1:]) if e - s >= 16])
+    assert (block_ranges > FACTORED_RANGE.value).any() and (block_ranges <= FACTORED_RANGE.value).any()
+    expected = run(inputs, "naive", torch.float64, cu)
+    assert_close(run(inputs, "triton", torch.float32, cu), expected, 1e-5)
+
+
 def test_bad_inputs_name_the_field():
     q, k, v, g, beta, _ = strong_decay_inputs(1, 8, 1, 2, 16, 16, seed=33, num_states=1)
     call = functools.partial(kda_triton.triton_kimi_delta_attention, scale=0.25)
@@ -96,8 +113,8 @@ def test_bad_inputs_name_the_field():
         call(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 8))
     with pytest.raises(ValueError, match="cu_seqlens"):
         call(q, k, v, g, beta, cu_seqlens=[0, 3, 9])
-    with pytest.raises(ValueError, match="chunk_size"):
-        kimi_delta_attention(q, k, v, g, beta, impl="triton", chunk_size=32)
+    with pytest.raises(ValueError, match="chunk_size"):   # on the kernels' device: it is checked first
+        kimi_delta_attention(*(x.to(device) for x in (q, k, v, g, beta)), impl="triton", chunk_size=32)
 
 
 def test_auto_runs_the_chunk_form_off_cuda():
