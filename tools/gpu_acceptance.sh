@@ -17,7 +17,9 @@
 #   bash tools/gpu_acceptance.sh kda_ab    (tools/bench_kda.py of this tree against .bench_baseline's, one GPU)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
-#                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes: 3 parts)
+#                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes:
+#                                           3 parts; on 2 GPUs multi2's legs run one after the other, over 10
+#                                           minutes: a call each: multi2v (verify), multi2l (256K), multi2d)
 # Results and logs under $OUT (device tool) or runs/gpu_acceptance.
 # 1. tools/gpu_smoke.py: every config trains 20 steps at its own batch (finite, falling loss);
 # 2. the GPU tests in groups run at once, each with its own time limit, so that a slow or failing
@@ -229,19 +231,18 @@ fi
 # 2-GPU legs run side by side (verify and the drill on GPUs 0,1; the 256K config on 2,3).
 if [[ " $parts " == *" multi"* ]]; then
     M=(python3 tools/multi_gpu_acceptance.py --out "$out/multi" --work runs/multi_gpu_work)
+    wants() { [[ " $parts " == *" multi "* || " $parts " == *" multi2 "* || " $parts " == *" $1 "* ]]; }
     n=$(nvidia-smi -L | wc -l)
     step multi_data 300 "${M[@]}" data
-    if [[ " $parts " == *" multi "* || " $parts " == *" multi2 "* ]]; then
-        if (( n >= 4 )); then   # GPUs 0,1: verify beside the drill's small jobs; 2,3: the 256K config
-            step multi_verify2 540 "${M[@]}" verify --gpus 0,1 --limit-s 530 &
-            step multi_drill 300 "${M[@]}" drill --gpus 0,1 --limit-s 290 &
-            step multi_long2 540 "${M[@]}" long --gpus 2,3 --steps 10 --save-after 5 --limit-s 260 &
-            wait
-        else
-            step multi_verify2 590 "${M[@]}" verify --limit-s 580
-            step multi_drill 250 "${M[@]}" drill --limit-s 240
-            step multi_long2 420 "${M[@]}" long --steps 10 --save-after 5 --limit-s 200
-        fi
+    if (( n >= 4 )) && wants multi2; then   # GPUs 0,1: verify beside the drill's jobs; 2,3: the 256K config
+        step multi_verify2 540 "${M[@]}" verify --gpus 0,1 --limit-s 530 &
+        step multi_drill 300 "${M[@]}" drill --gpus 0,1 --limit-s 290 &
+        step multi_long2 540 "${M[@]}" long --gpus 2,3 --steps 10 --save-after 5 --limit-s 260 &
+        wait
+    elif (( n < 4 )); then   # one after the other: 21 minutes, so a 10-minute call takes one of the three
+        wants multi2v && step multi_verify2 590 "${M[@]}" verify --limit-s 580
+        wants multi2l && step multi_long2 420 "${M[@]}" long --steps 10 --save-after 5 --limit-s 200
+        wants multi2d && step multi_drill 250 "${M[@]}" drill --limit-s 240
     fi
     for third in 1 2 3; do
         if (( n >= 4 )) && [[ " $parts " == *" multi "* || " $parts " == *" multi4v$third "* ]]; then

@@ -167,14 +167,10 @@ def _parallel_settings(V: int, warps: str):
     return setting_ladder(value_blocks(V, TUNING["parallel_block_v"]), TUNING[warps], 3)
 
 
-def _products_settings():
-    """decayed_products has no value columns: warps and pipelining only."""
-    return [{"num_warps": TUNING["products_warps"], "num_stages": s} for s in (2, 1)]
-
-
-def _intra_settings():
-    """intra_backward has no value columns: warps and pipelining only."""
-    return [{"num_warps": TUNING["intra_warps"], "num_stages": s} for s in (2, 1)]
+def _block_row_settings(warps: str):
+    """Kernels without value columns (decayed_products, intra_backward): warps and pipelining only;
+    `warps` names the TUNING entry."""
+    return [{"num_warps": TUNING[warps], "num_stages": s} for s in (2, 1)]
 
 
 def _shape_key(keys, values):
@@ -196,10 +192,10 @@ class _ChunkKDA(torch.autograd.Function):
         u = _buffer((Tp, HV, V), dt, dev)
         launch_fitting(fwd.decayed_products, lambda s: (n, HV, CHUNK // 16),
                        (q, k, g, cum, aqk, pk, layout.chunk_rows, scale, q.shape[1], HV, K, CHUNK, BK),
-                       _products_settings(), key, KC=channel_group(BK, TUNING["channel_group"]),
-                       PREC=_precision(v))
+                       _block_row_settings("products_warps"), key,
+                       KC=channel_group(BK, TUNING["channel_group"]), PREC=_precision(v))
         launch_fitting(fwd.ut_forward, lambda s: (n, HV),
-                       (k, v, beta, cum, t_inv, pk, w, u, k_to_end, layout.chunk_rows, HV, q.shape[1], K, V,
+                       (k, v, beta, cum, t_inv, pk, w, u, k_to_end, layout.chunk_rows, q.shape[1], HV, K, V,
                         CHUNK, BK), _parallel_settings(V, "ut_forward_warps"), key, PREC=_precision(v))
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = with_received_state(h0, relay)    # after the chunk work above, which the wait overlapped
@@ -257,10 +253,10 @@ class _ChunkKDA(torch.autograd.Function):
         dg = _buffer((total, HV, K), ctx.g_dtype, dev)
         launch_fitting(bwd.intra_backward, lambda s: (n, HV, CHUNK // 16),
                        (q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, rows, H, HV, K, CHUNK, BK),
-                       _intra_settings(), key, JG=diagonal_group(BK, TUNING["diagonal_tile"]),
-                       PREC=_precision(v))
+                       _block_row_settings("intra_warps"), key,
+                       JG=diagonal_group(BK, TUNING["diagonal_tile"]), PREC=_precision(v))
         launch_fitting(bwd.decay_backward, lambda s: (n, HV), (dcum, dg, rows, HV, K, CHUNK, BK),
-                       _intra_settings(), key)
+                       _block_row_settings("intra_warps"), key)
         if group > 1:
             dq, dk = (x.view(total, H, group, K).sum(2).to(q.dtype) for x in (dq, dk))
         dh0 = None if dh0 is None or ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)

@@ -90,9 +90,9 @@ def decayed_products(q, k, g, cum, aqk, pk, chunk_rows, scale, H: tl.constexpr, 
 
 
 @triton.jit
-def ut_forward(k, v, beta, cum, t_inv, pk, w, u, k_to_end, chunk_rows, HV: tl.constexpr, H: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               PREC: tl.constexpr):
+def ut_forward(k, v, beta, cum, t_inv, pk, w, u, k_to_end, chunk_rows, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, PREC: tl.constexpr):
     """T = (I + A)^-1 from the stored P(K) (blocked forward substitution), then W = T diag(beta)
     (K o e^G), U = T diag(beta) V and K o e^{G_C - G}: t_inv [Tp, HV, C]; w, k_to_end [Tp, HV, K];
     u [Tp, HV, V]."""
