@@ -45,6 +45,7 @@ __all__ = ["triton_kimi_delta_attention", "CHUNK", "MAX_HEAD_DIM"]
 # 4 warps, 1.05 at 8; intra_backward 5.4 ms at 4 warps with [16, 4, 128] tiles, 23 ms at 8 warps with
 # [16, 2, 128]; once its diagonal blocks factored, 3.34 ms at 4 or 8 warps with the exact sums compiled
 # in (3.25 and 2.88 without them); decayed_products 1.26 ms at 4 warps, 1.32 at 8 (docs/kernels.md).
+# intra_backward per 16-token block row (branch kda-backward-rows): not yet timed on a GPU.
 TUNING = {"block_v": 32, "num_warps": 4, "num_stages": 3, "parallel_block_v": 64, "products_warps": 4,
           "ut_forward_warps": 4, "output_warps": 4, "qkw_warps": 8, "ut_warps": 4, "intra_warps": 4,
           "channel_group": 32, "diagonal_tile": 8192}
@@ -250,10 +251,12 @@ class _ChunkKDA(torch.autograd.Function):
         grad_dtype = q.dtype if group == 1 else torch.float32
         dq, dk = (_buffer((total, HV, K), grad_dtype, dev) for _ in range(2))
         dg = _buffer((total, HV, K), ctx.g_dtype, dev)
-        launch_fitting(bwd.intra_backward, lambda s: (n, HV),
-                       (q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, dg, rows, H, HV, K, CHUNK, BK),
+        launch_fitting(bwd.intra_backward, lambda s: (n, HV, CHUNK // 16),
+                       (q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, rows, H, HV, K, CHUNK, BK),
                        _block_row_settings("intra_warps"), key,
                        JG=diagonal_group(BK, TUNING["diagonal_tile"]), PREC=_precision(v))
+        launch_fitting(bwd.decay_backward, lambda s: (n, HV), (dcum, dg, rows, HV, K, CHUNK, BK),
+                       _block_row_settings("intra_warps"), key)
         if group > 1:
             dq, dk = (x.view(total, H, group, K).sum(2).to(q.dtype) for x in (dq, dk))
         dh0 = None if dh0 is None or ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)

@@ -18,8 +18,9 @@ over the chunk, the last step of `intra_backward`.
 Kernels: `delta_grad_local` (scale P(Q)^T dO, parallel), `state_backward` (the sequential dS chain
 per document; stores dS' per chunk and the full dDelta), `qkw_backward` (through O and S': partial
 dq, dk, dG, and dW, dP(Q); parallel), `ut_backward` (through W and U: dv, dbeta, more of dk and dG,
-and dP(K)), `intra_backward` (through the decayed products in 16-token blocks; finishes dq, dk and
-turns dG into dg). Products take input-dtype operands with fp32 accumulation, like the forward.
+and dP(K)), `intra_backward` (through the decayed products, a 16-token block row a program; finishes
+dq, dk and dG), `decay_backward` (dG into dg). Products take input-dtype operands with fp32
+accumulation, like the forward.
 """
 import triton
 import triton.language as tl
@@ -33,7 +34,14 @@ from ..gated_delta_rule.common import (
     store_state,
     store_token_rows,
 )
-from .common import column_block_grads, load_block_beta, load_row, row_block_grads
+from .common import (
+    block_midpoint,
+    factored_dot,
+    load_block_beta,
+    load_row,
+    summed_diagonal_column_grads,
+    summed_diagonal_row_grads,
+)
 
 
 @triton.jit
@@ -186,30 +194,71 @@ def ut_backward(k, v, beta, cum, t_inv, pk, dw, dd, dk_part, dcum, dv, dbeta, dp
 
 
 @triton.jit
-def intra_backward(q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, dg, chunk_rows, H: tl.constexpr,
+def intra_backward(q, k, cum, dpq, dpk, dq_part, dk_part, dcum, dq, dk, chunk_rows, H: tl.constexpr,
                    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr,
                    PREC: tl.constexpr):
-    """Through the decayed products P(Q) and P(K), one 16-token block of rows at a time: finishes dq and
-    dk (the caller's rows, per value head: [tokens, HV, K]) and dG, then dg (the caller's, unpadded)
-    as the reverse cumulative sum of dG over the chunk."""
-    chunk, hv = tl.program_id(0), tl.program_id(1)
+    """Through the decayed products P(Q) and P(K), rows 16r.. (r = program_id 2) of a chunk: finishes
+    dq and dk there (the caller's rows, per value head: [tokens, HV, K]) and dG (dcum). Each side of
+    the products is one product of the block's rows or columns of dP with the whole chunk's rows,
+    through a reference decay (common.py): the midpoint of block r's decay where it factors; else the
+    decay at the end of block r - 1 for the keys before it and at the end of block r for the rows
+    after it, and the exact sums on the diagonal block."""
+    chunk, hv, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0 = chunk * C
+    rr = 16 * r
     src0, real = chunk_tokens(chunk_rows, chunk)
     qk_head = hv // (HV // H)
-    for r in tl.static_range(C // 16):
-        rows, src, left = row0 + 16 * r, src0 + 16 * r, real - 16 * r
-        dq_left, dk_left = row_block_grads(dpq, dpk, k, cum, src0, real, row0, r, qk_head, hv, H, HV, K, C,
-                                           BK, JG, PREC)
-        dk_of_q, dk_right = column_block_grads(dpq, dpk, q, k, cum, src0, real, row0, r, qk_head, hv, H, HV,
-                                               K, C, BK, JG, PREC)
-        q_r = load_token_rows(q, src, left, qk_head, H, K, 16, BK).to(tl.float32)
-        k_r = load_token_rows(k, src, left, qk_head, H, K, 16, BK).to(tl.float32)
-        dq_r = load_rows(dq_part, rows, hv, HV, K, 16, BK) + dq_left
-        dk_r = load_rows(dk_part, rows, hv, HV, K, 16, BK) + dk_of_q + dk_left + dk_right
-        dG_r = load_rows(dcum, rows, hv, HV, K, 16, BK) + q_r * dq_left + k_r * (dk_left - dk_of_q - dk_right)
-        store_token_rows(dq, dq_r, src, left, hv, HV, K, 16, BK)
-        store_token_rows(dk, dk_r, src, left, hv, HV, K, 16, BK)
-        store_rows(dcum, dG_r, rows, hv, HV, K, 16, BK)
-    tl.debug_barrier()  # dG is read back as one tile, by other threads than wrote its blocks
-    dG = load_rows(dcum, row0, hv, HV, K, C, BK)
+    rows = tl.arange(0, C)
+    G_all = load_rows(cum, row0, hv, HV, K, C, BK)
+    g_r = load_rows(cum, row0 + rr, hv, HV, K, 16, BK)
+    mid, factored = block_midpoint(cum, row0 + rr, hv, HV, K, BK)
+    # dX_i = sum_{j <= i} dP_ij K_j e^{G_i - G_j}: the block's rows of dP against the keys up to it
+    before_end = tl.sum(tl.where(rows[:, None] == rr - 1, G_all, 0.), axis=0)    # 0 for r = 0: unused
+    ref = tl.where(factored, mid, before_end)
+    reach = tl.where(factored, rr + 16, rr)
+    k_all = load_token_rows(k, src0, real, qk_head, H, K, C, BK).to(tl.float32)
+    keys = k_all * tl.exp(tl.where(rows[:, None] < reach, ref[None, :] - G_all, float("-inf")))
+    down = tl.exp(g_r - ref[None, :])
+    dq_left = factored_dot(load_rows(dpq, row0 + rr, hv, HV, C, 16, C), keys, k, PREC) * down
+    dk_left = factored_dot(load_rows(dpk, row0 + rr, hv, HV, C, 16, C), keys, k, PREC) * down
+    # dK_j = sum_{i >= j} dP_ij X_i e^{G_i - G_j}: the block's columns of dP against the rows from it
+    block_end = tl.sum(tl.where(rows[:, None] == rr + 15, G_all, 0.), axis=0)
+    ref = tl.where(factored, mid, block_end)
+    start = tl.where(factored, rr, rr + 16)
+    from_ref = tl.exp(tl.where(rows[:, None] >= start, G_all - ref[None, :], float("-inf")))
+    up = tl.exp(ref[None, :] - g_r)
+    q_all = load_token_rows(q, src0, real, qk_head, H, K, C, BK).to(tl.float32)
+    dp_q_t = tl.trans(load_rows(dpq, row0, hv, HV, C, C, 16, rr))
+    dp_k_t = tl.trans(load_rows(dpk, row0, hv, HV, C, C, 16, rr))
+    dk_of_q = factored_dot(dp_q_t, q_all * from_ref, q, PREC) * up
+    dk_right = factored_dot(dp_k_t, k_all * from_ref, k, PREC) * up
+    if reach == rr:  # a block that forgets too fast: its diagonal block, summed exactly
+        diag_q, diag_k = summed_diagonal_row_grads(dpq, dpk, k, cum, src0, real, row0, rr, qk_head, hv, H, HV,
+                                                   K, C, BK, JG)
+        dq_left += diag_q
+        dk_left += diag_k
+        diag_q, diag_k = summed_diagonal_column_grads(dpq, dpk, q, k, cum, src0, real, row0, rr, qk_head, hv,
+                                                      H, HV, K, C, BK, JG)
+        dk_of_q += diag_q
+        dk_right += diag_k
+    src, left = src0 + rr, real - rr
+    q_r = load_token_rows(q, src, left, qk_head, H, K, 16, BK).to(tl.float32)
+    k_r = load_token_rows(k, src, left, qk_head, H, K, 16, BK).to(tl.float32)
+    rows_r = row0 + rr
+    store_token_rows(dq, load_rows(dq_part, rows_r, hv, HV, K, 16, BK) + dq_left, src, left, hv, HV, K, 16,
+                     BK)
+    store_token_rows(dk, load_rows(dk_part, rows_r, hv, HV, K, 16, BK) + dk_of_q + dk_left + dk_right, src,
+                     left, hv, HV, K, 16, BK)
+    dG_r = load_rows(dcum, rows_r, hv, HV, K, 16, BK) + q_r * dq_left + k_r * (dk_left - dk_of_q - dk_right)
+    store_rows(dcum, dG_r, rows_r, hv, HV, K, 16, BK)
+
+
+@triton.jit
+def decay_backward(dcum, dg, chunk_rows, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                   BK: tl.constexpr):
+    """dg (the caller's, unpadded) as the reverse cumulative sum of dG over each chunk, since
+    G_i = g_1 + ... + g_i inside it."""
+    chunk, hv = tl.program_id(0), tl.program_id(1)
+    src0, real = chunk_tokens(chunk_rows, chunk)
+    dG = load_rows(dcum, chunk * C, hv, HV, K, C, BK)
     store_token_rows(dg, tl.cumsum(dG, axis=0, reverse=True), src0, real, hv, HV, K, C, BK)

@@ -98,106 +98,52 @@ def summed_diagonal_pair(q, k, cum, src0, real, row0, a, qk_head, hv, H: tl.cons
 
 
 @triton.jit
-def row_block_grads(dpq, dpk, k, cum, src0, real, row0, r: tl.constexpr, qk_head, hv, H: tl.constexpr,
-                    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, JG: tl.constexpr,
-                    PREC: tl.constexpr):
-    """Rows 16r.. of dX_ic = sum_{j <= i} dP_ij K_jc exp(G_ic - G_jc), the gradient of P(X) through
-    its left factor, for dP = dP(Q) and dP(K) ([Tp, HV, C] fp32, zero above the diagonal). Two
-    [16, BK] fp32 tiles. The diagonal block is one product of midpoint factors, or, when it forgets
-    too fast, JG columns j at a time, as [16, JG, BK] tiles."""
-    NB: tl.constexpr = C // 16
-    tl.static_assert(r < NB)
-    rr: tl.constexpr = 16 * r
+def summed_diagonal_row_grads(dpq, dpk, k, cum, src0, real, row0, rr, qk_head, hv, H: tl.constexpr,
+                              HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                              JG: tl.constexpr):
+    """The diagonal block's part of dX_ic = sum_{j <= i} dP_ij K_jc exp(G_ic - G_jc) for rows rr..rr+15,
+    summed exactly (a block that forgets too fast for midpoint factors): JG columns j at a time, as
+    [16, JG, BK] tiles. Two [16, BK] fp32 tiles, for dP(Q) and dP(K)."""
     i = tl.arange(0, 16)
+    jj = tl.arange(0, JG)
     g_r = load_rows(cum, row0 + rr, hv, HV, K, 16, BK)
     acc_q = tl.zeros([16, BK], dtype=tl.float32)
     acc_k = tl.zeros([16, BK], dtype=tl.float32)
-    if r > 0:
-        ref = load_row(cum, row0 + rr - 1, hv, HV, K, BK)
-        for b in tl.static_range(r):
-            k_b = load_token_rows(k, src0 + 16 * b, real - 16 * b, qk_head, H, K, 16, BK).to(tl.float32)
-            g_b = load_rows(cum, row0 + 16 * b, hv, HV, K, 16, BK)
-            k_b_decayed = (k_b * tl.exp(ref[None, :] - g_b)).to(k.dtype.element_ty)
-            dp_q = load_rows(dpq, row0 + rr, hv, HV, C, 16, 16, 16 * b).to(k.dtype.element_ty)
-            dp_k = load_rows(dpk, row0 + rr, hv, HV, C, 16, 16, 16 * b).to(k.dtype.element_ty)
-            acc_q += tl.dot(dp_q, k_b_decayed)
-            acc_k += tl.dot(dp_k, k_b_decayed)
-        from_ref = tl.exp(g_r - ref[None, :])
-        acc_q *= from_ref
-        acc_k *= from_ref
-    mid, factored = block_midpoint(cum, row0 + rr, hv, HV, K, BK)
-    if factored:
-        k_r = load_token_rows(k, src0 + rr, real - rr, qk_head, H, K, 16, BK).to(tl.float32)
-        k_up = k_r * tl.exp(mid[None, :] - g_r)
-        down = tl.exp(g_r - mid[None, :])
-        acc_q += factored_dot(load_rows(dpq, row0 + rr, hv, HV, C, 16, 16, rr), k_up, k, PREC) * down
-        acc_k += factored_dot(load_rows(dpk, row0 + rr, hv, HV, C, 16, 16, rr), k_up, k, PREC) * down
-    else:
-        jj = tl.arange(0, JG)
-        for j0 in tl.range(0, 16, JG):
-            k_j = load_token_rows(k, src0 + rr + j0, real - rr - j0, qk_head, H, K, JG, BK).to(tl.float32)
-            g_j = load_rows(cum, row0 + rr + j0, hv, HV, K, JG, BK)
-            causal = (i[:, None] >= j0 + jj[None, :])[:, :, None]
-            exponent = tl.where(causal, g_r[:, None, :] - g_j[None, :, :], float("-inf"))     # [i, j, c]
-            k_decayed = k_j[None, :, :] * tl.exp(exponent)
-            # (names apart from the products' above: a loop may not change a variable's shape)
-            dp_q_cols = load_rows(dpq, row0 + rr, hv, HV, C, 16, JG, rr + j0)          # [i, j]
-            dp_k_cols = load_rows(dpk, row0 + rr, hv, HV, C, 16, JG, rr + j0)
-            acc_q += tl.sum(dp_q_cols[:, :, None] * k_decayed, axis=1)
-            acc_k += tl.sum(dp_k_cols[:, :, None] * k_decayed, axis=1)
+    for j0 in tl.range(0, 16, JG):
+        k_j = load_token_rows(k, src0 + rr + j0, real - rr - j0, qk_head, H, K, JG, BK).to(tl.float32)
+        g_j = load_rows(cum, row0 + rr + j0, hv, HV, K, JG, BK)
+        causal = (i[:, None] >= j0 + jj[None, :])[:, :, None]
+        exponent = tl.where(causal, g_r[:, None, :] - g_j[None, :, :], float("-inf"))         # [i, j, c]
+        k_decayed = k_j[None, :, :] * tl.exp(exponent)
+        dp_q_cols = load_rows(dpq, row0 + rr, hv, HV, C, 16, JG, rr + j0)              # [i, j]
+        dp_k_cols = load_rows(dpk, row0 + rr, hv, HV, C, 16, JG, rr + j0)
+        acc_q += tl.sum(dp_q_cols[:, :, None] * k_decayed, axis=1)
+        acc_k += tl.sum(dp_k_cols[:, :, None] * k_decayed, axis=1)
     return acc_q, acc_k
 
 
 @triton.jit
-def column_block_grads(dpq, dpk, q, k, cum, src0, real, row0, r: tl.constexpr, qk_head, hv,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                       JG: tl.constexpr, PREC: tl.constexpr):
-    """Rows 16r.. of dK_jc = sum_{i >= j} dP_ij X_ic exp(G_ic - G_jc), the gradient of P(X) through
-    its right factor, for (dP(Q), X = Q) and (dP(K), X = K). Two [16, BK] fp32 tiles. The blocks
-    below factor through the decay at the end of block r; the diagonal block through its midpoint,
-    or, when it forgets too fast, JG rows i at a time, as [JG, 16, BK] tiles."""
-    NB: tl.constexpr = C // 16
-    tl.static_assert(r < NB)
-    rr: tl.constexpr = 16 * r
+def summed_diagonal_column_grads(dpq, dpk, q, k, cum, src0, real, row0, rr, qk_head, hv, H: tl.constexpr,
+                                 HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                                 JG: tl.constexpr):
+    """The diagonal block's part of dK_jc = sum_{i >= j} dP_ij X_ic exp(G_ic - G_jc) for rows (keys)
+    rr..rr+15, for (dP(Q), X = Q) and (dP(K), X = K), summed exactly: JG rows i at a time, as
+    [JG, 16, BK] tiles. Two [16, BK] fp32 tiles."""
     j = tl.arange(0, 16)
+    ii = tl.arange(0, JG)
     g_r = load_rows(cum, row0 + rr, hv, HV, K, 16, BK)
     acc_q = tl.zeros([16, BK], dtype=tl.float32)
     acc_k = tl.zeros([16, BK], dtype=tl.float32)
-    if r < NB - 1:
-        ref = load_row(cum, row0 + rr + 15, hv, HV, K, BK)
-        for a in tl.static_range(r + 1, NB):
-            from_ref = tl.exp(load_rows(cum, row0 + 16 * a, hv, HV, K, 16, BK) - ref[None, :])
-            q_a = load_token_rows(q, src0 + 16 * a, real - 16 * a, qk_head, H, K, 16, BK).to(tl.float32)
-            k_a = load_token_rows(k, src0 + 16 * a, real - 16 * a, qk_head, H, K, 16, BK).to(tl.float32)
-            dp_q = load_rows(dpq, row0 + 16 * a, hv, HV, C, 16, 16, rr).to(k.dtype.element_ty)
-            dp_k = load_rows(dpk, row0 + 16 * a, hv, HV, C, 16, 16, rr).to(k.dtype.element_ty)
-            acc_q += tl.dot(tl.trans(dp_q), (q_a * from_ref).to(q.dtype.element_ty))
-            acc_k += tl.dot(tl.trans(dp_k), (k_a * from_ref).to(k.dtype.element_ty))
-        to_ref = tl.exp(ref[None, :] - g_r)
-        acc_q *= to_ref
-        acc_k *= to_ref
-    mid, factored = block_midpoint(cum, row0 + rr, hv, HV, K, BK)
-    if factored:
-        down = tl.exp(g_r - mid[None, :])
-        up = tl.exp(mid[None, :] - g_r)
-        q_r = load_token_rows(q, src0 + rr, real - rr, qk_head, H, K, 16, BK).to(tl.float32)
-        k_r = load_token_rows(k, src0 + rr, real - rr, qk_head, H, K, 16, BK).to(tl.float32)
-        dp_q_t = tl.trans(load_rows(dpq, row0 + rr, hv, HV, C, 16, 16, rr))
-        dp_k_t = tl.trans(load_rows(dpk, row0 + rr, hv, HV, C, 16, 16, rr))
-        acc_q += factored_dot(dp_q_t, q_r * down, q, PREC) * up
-        acc_k += factored_dot(dp_k_t, k_r * down, k, PREC) * up
-    else:
-        ii = tl.arange(0, JG)
-        for i0 in tl.range(0, 16, JG):
-            q_i = load_token_rows(q, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
-            k_i = load_token_rows(k, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
-            g_i = load_rows(cum, row0 + rr + i0, hv, HV, K, JG, BK)
-            causal = (i0 + ii[:, None] >= j[None, :])[:, :, None]
-            decay = tl.exp(tl.where(causal, g_i[:, None, :] - g_r[None, :, :], float("-inf")))  # [i, j, c]
-            dp_q_rows = load_rows(dpq, row0 + rr + i0, hv, HV, C, JG, 16, rr)          # [i, j]
-            dp_k_rows = load_rows(dpk, row0 + rr + i0, hv, HV, C, JG, 16, rr)
-            acc_q += tl.sum((dp_q_rows[:, :, None] * q_i[:, None, :]) * decay, axis=0)
-            acc_k += tl.sum((dp_k_rows[:, :, None] * k_i[:, None, :]) * decay, axis=0)
+    for i0 in tl.range(0, 16, JG):
+        q_i = load_token_rows(q, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
+        k_i = load_token_rows(k, src0 + rr + i0, real - rr - i0, qk_head, H, K, JG, BK).to(tl.float32)
+        g_i = load_rows(cum, row0 + rr + i0, hv, HV, K, JG, BK)
+        causal = (i0 + ii[:, None] >= j[None, :])[:, :, None]
+        decay = tl.exp(tl.where(causal, g_i[:, None, :] - g_r[None, :, :], float("-inf")))      # [i, j, c]
+        dp_q_rows = load_rows(dpq, row0 + rr + i0, hv, HV, C, JG, 16, rr)              # [i, j]
+        dp_k_rows = load_rows(dpk, row0 + rr + i0, hv, HV, C, JG, 16, rr)
+        acc_q += tl.sum((dp_q_rows[:, :, None] * q_i[:, None, :]) * decay, axis=0)
+        acc_k += tl.sum((dp_k_rows[:, :, None] * k_i[:, None, :]) * decay, axis=0)
     return acc_q, acc_k
 
 
