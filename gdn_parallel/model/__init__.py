@@ -2,6 +2,7 @@
 from .architecture import architecture, architecture_differences
 from .attention import Attention
 from .build import build_model, part_names
+from .flops import TrainingFlops
 from .gated_deltanet import NO_WEIGHT_DECAY, GatedDeltaNet, ShortConvolution
 from .hybrid_lm import Block, DroppedPart, HybridLM, LMOutput, blocks_of, residual_stream_dtype
 from .kda import KimiDeltaAttention
@@ -24,7 +25,7 @@ from .norm import GatedRMSNorm, RMSNorm
 from .sequence import SequenceInfo
 
 __all__ = ["Attention", "GatedDeltaNet", "KimiDeltaAttention", "ShortConvolution", "Block", "DroppedPart",
-           "HybridLM", "LMOutput",
+           "HybridLM", "LMOutput", "TrainingFlops",
            "residual_stream_dtype", "blocks_of", "build_model", "part_names", "architecture",
            "architecture_differences",
            "MIXERS", "MixerKind", "TensorParallelLayout", "GroupedKVHeads", "check_kernels", "check_layers",

@@ -13,8 +13,9 @@ from torch import nn
 
 from ..config import IGNORE_INDEX, ModelConfig
 from ..ops.rope import positions_from_cu_seqlens
+from .flops import TrainingFlops
 from .loss import LinearCrossEntropy, TokenCrossEntropy, lm_head_loss
-from .mixers import MIXERS, check_layers, make_mixer, mixer_flops_per_token
+from .mixers import MIXERS, check_layers, make_mixer
 from .mlp import SwiGLU
 from .norm import ResidualRMSNorm, RMSNorm, narrower_autocast_dtype
 from .sequence import SequenceInfo
@@ -166,12 +167,13 @@ class HybridLM(nn.Module):
         return sum(p.numel() for p in params.values())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward): 6 per matmul parameter plus
-        the token mixers' own work (MixerKind.flops_per_token: attention scores over the visible keys,
-        the GDN chunk algorithm)."""
-        config = self.config
+        """Training FLOPs per token of a row that is one document of `seq_len` tokens (model/flops.py)."""
+        return self.training_flops().per_token(seq_len)
+
+    def training_flops(self) -> TrainingFlops:
+        """The model's training FLOPs of any packed rows (model/flops.py): 6 per matmul parameter and
+        token plus the token mixers' own work."""
         matmul_params = self.num_parameters(exclude_embeddings=True)
-        if config.tie_word_embeddings:
+        if self.config.tie_word_embeddings:
             matmul_params += self.embeddings.weight.numel()
-        mixer = sum(mixer_flops_per_token(symbol, config, seq_len) for symbol in config.layer_types)
-        return 6.0 * matmul_params + 3.0 * mixer
+        return TrainingFlops(self.config, matmul_params)

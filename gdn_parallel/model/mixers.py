@@ -207,6 +207,13 @@ KDA_TENSOR_PARALLEL = TensorParallelLayout(
 
 
 # ---------------------------------------------------------------- softmax attention
+def _average_keys_seen(window: int | None, length: int) -> float:
+    """Keys a query attends to, averaged over a causal sequence of `length` tokens, when each sees the
+    `window` latest keys, itself included (None: every earlier key)."""
+    seen = length if window is None else min(window, length)
+    return (seen * (seen + 1) / 2 + (length - seen) * seen) / length
+
+
 def _attention_flops(visible_keys: Callable[[ModelConfig, int], float]):
     def flops(config: ModelConfig, seq_len: int) -> float:
         # scores and the weighted sum of values: 2 x 2 FLOPs per visible key and channel
@@ -288,7 +295,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         symbol="S", description="sliding-window attention", module=Attention,
         build=lambda config: Attention(config, window=config.window_size),
         fields=(*ATTENTION_FIELDS, "window_size"),
-        flops_per_token=_attention_flops(lambda config, seq_len: min(config.window_size, seq_len)),
+        flops_per_token=_attention_flops(lambda config, n: _average_keys_seen(config.window_size, n)),
         architecture=lambda config: {**_attention_architecture(config),
                                      "model.window_size": config.window_size},
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
@@ -298,7 +305,7 @@ MIXERS: dict[str, MixerKind] = {kind.symbol: kind for kind in (
         symbol="A", description="full causal attention", module=Attention,
         build=lambda config: Attention(config, window=None),
         fields=ATTENTION_FIELDS,
-        flops_per_token=_attention_flops(lambda config, seq_len: seq_len / 2),  # keys seen, on average
+        flops_per_token=_attention_flops(lambda config, n: _average_keys_seen(None, n)),
         architecture=_attention_architecture,
         tp_split=_attention_heads, tensor_parallel=ATTENTION_TENSOR_PARALLEL, check=_check_kv_heads,
         attention=FULL_ATTENTION, context_parallel=KV_ALL_GATHER,

@@ -35,8 +35,9 @@ from ..comm import sends_finished
 from ..comm.links import batched_p2p
 from ..config import ConfigError, ModelConfig, ParallelConfig
 from ..model.build import part_names
-from ..model.hybrid_lm import Block, HybridLM, mixer_flops_per_token
+from ..model.hybrid_lm import Block, HybridLM
 from ..model.loss import lm_head_loss
+from ..model.mixers import mixer_flops_per_token
 from ..model.sequence import SequenceInfo
 
 __all__ = ["Microbatch", "PipelineRunner", "StageModule", "as_microbatch", "build_pipeline",

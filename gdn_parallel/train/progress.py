@@ -7,8 +7,10 @@ Steps are 0-based optimizer updates. A line is printed at the first step (step 0
 a resume), at every multiple of log_every and at the last step. `loss` is the mean training loss of
 the steps since the previous line (the first line: its own step's loss), `lr` and `grad_norm` belong
 to the printed step, `tok/s` is measured over the interval (time spent in evaluation or
-checkpointing under `paused()` is not counted), `mfu` = flops_per_token * tok/s / peak FLOP/s when a
-peak is known, `mem` is the CUDA peak allocation or, on CPU, the resident set of the process.
+checkpointing under `paused()` is not counted), `mfu` = the interval's training FLOPs / its time / peak
+FLOP/s when a peak is known (each step's FLOPs as the trainer counts them from its rows' documents,
+model/flops.py, else flops_per_token per token), `mem` is the CUDA peak allocation or, on CPU, the
+resident set of the process.
 
 The loop hands every step's loss and grad norm over as tensors; they are read (synchronising the
 device) only when a line is due.
@@ -191,8 +193,8 @@ class ProgressSettings:
 
     total_steps, log_every: the run's length and a line every log_every steps (see the module doc).
     tokens_per_step: tokens of one optimizer step over every replica (tok/s).
-    flops_per_token, peak_flops: the model's work per token and the peak FLOP/s it runs on (mfu;
-        either None: mfu n/a).
+    flops_per_token, peak_flops: the model's work per token (of a step given without its own FLOPs)
+        and the peak FLOP/s it runs on (mfu; no FLOPs or no peak: mfu n/a).
     out_dir: metrics.jsonl (and the backends `log` asks for) go there; give it on one rank only.
     log: the `log:` config section (backends, progress_bar); None: no backends, no bar.
     run_config: the whole config as a dict, stored with the W&B run.
@@ -272,6 +274,7 @@ class ProgressLogger:
         self._start = self._interval_start = time.perf_counter()
         self._interval_paused = self._paused_total = 0.0
         self._interval_steps = self._steps_done = 0
+        self._interval_flops: float | None = 0.0           # None: a step of the interval was not counted
         self.train_time_s = 0.0                            # wall time minus pauses, at the last line
         self._setup_s = process_age_s()                    # launch to the loop
         self.setup_phases = dict(settings.setup_phases or {})
@@ -309,8 +312,15 @@ class ProgressLogger:
         if self.bar is not None:
             self.bar.redraw()
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> dict | None:
-        """Record one finished step; print and return a record when a line is due."""
+    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
+             flops: float | None = None) -> dict | None:
+        """Record one finished step; print and return a record when a line is due. `flops`: the step's
+        training FLOPs over every replica (its documents' work, model/flops.py); None: flops_per_token
+        times the step's tokens."""
+        if flops is None and self.flops_per_token:
+            flops = self.flops_per_token * self.tokens_per_step
+        counted = flops is not None and self._interval_flops is not None
+        self._interval_flops = self._interval_flops + flops if counted else None
         self._pending.append(loss.detach().float().reshape(()))
         self._pending_steps.append(step)
         self._interval_steps += 1
@@ -336,7 +346,7 @@ class ProgressLogger:
             "lr": lr,
             "grad_norm": grad_norm_value,
             "tokens_per_s": tokens_per_s,
-            "mfu": self._mfu(tokens_per_s),
+            "mfu": self._mfu(interval_s),
             "mem_mib": memory_bytes(self.device) / 2 ** 20,
             "elapsed_s": now - self._start,
             "eta_s": remaining * interval_s / self._interval_steps,
@@ -347,6 +357,7 @@ class ProgressLogger:
         record.update(self.extras())
         compiled = record.get("compiled")
         self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
+        self._interval_flops = 0.0
         second_line = len(self.records) == 1
         if second_line:
             record["startup"] = self.startup = self._startup(self.records[0], record)
@@ -402,10 +413,10 @@ class ProgressLogger:
                    f"eta {format_duration(remaining / steps_per_s)}")
         self.bar.show(ProgressBar.render(step + 1, self.total_steps, details), force=force)
 
-    def _mfu(self, tokens_per_s: float) -> float | None:
-        if not self.flops_per_token or not self.peak_flops:
+    def _mfu(self, interval_s: float) -> float | None:
+        if not self._interval_flops or not self.peak_flops:
             return None
-        return self.flops_per_token * tokens_per_s / self.peak_flops
+        return self._interval_flops / interval_s / self.peak_flops
 
     def format(self, r: dict) -> str:
         if r["mfu"] is None:

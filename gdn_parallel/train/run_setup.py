@@ -170,7 +170,8 @@ def _build_run(config: Config, device: torch.device, dataset, say, clock: PhaseC
     clock.mark("mesh")
     with torch.device("meta"):  # the whole model's size and work, without its memory
         skeleton = HybridLM(config.model)
-    size = ModelSize(skeleton.num_parameters(), float(skeleton.flops_per_token(train.seq_len)))
+    flops = skeleton.training_flops()
+    size = ModelSize(skeleton.num_parameters(), flops.per_token(train.seq_len), flops)
     # Only this pipeline rank's parts are built, each from its own seed: every layout starts from the
     # same weights, and no rank holds another stage's.
     parts = parts_of_rank(config.model, pc, dims.rank("pp"), train.seq_len)

@@ -10,6 +10,7 @@ import torch
 from ..checkpoint import CheckpointSaver
 from ..config import Config
 from ..data import TokenBatches
+from ..model.flops import TrainingFlops
 from ..parallel.mesh import ParallelDims
 from ..parallel.parallelize import ParallelModel
 from .compile_watch import CompileWatch
@@ -20,9 +21,11 @@ from .step_outcome import StepOutcome
 
 @dataclass(frozen=True)
 class ModelSize:
-    """The whole model's size and work (every pipeline stage's, not only this rank's)."""
+    """The whole model's size and work (every pipeline stage's, not only this rank's): `flops_per_token`
+    of a row that is one document, `flops` of any packed rows (model/flops.py; None: not counted)."""
     num_parameters: int
     flops_per_token: float
+    flops: TrainingFlops | None = None
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,14 @@ class ArrivingFlag:
 @dataclass
 class StepOutcome:
     """One optimizer step as the host will book it: its loss and gradient norm (device tensors, read
-    when printed) and whether the update was applied (`applied()`, once the flag has arrived)."""
+    when printed) and whether the update was applied (`applied()`, once the flag has arrived);
+    `flops`: the step's training FLOPs over every replica (mfu), None where the logger counts them."""
     step: int
     loss: torch.Tensor
     lr: float
     grad_norm: torch.Tensor
     applied_flag: ArrivingFlag
+    flops: float | None = None
 
     def applied(self) -> bool:
         return self.applied_flag.value()

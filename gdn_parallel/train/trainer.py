@@ -156,7 +156,17 @@ def _optimizer_step(run: RunState, step: int) -> None:
         run.pending = applied_outcome(step, loss, lr, grad_norm)
     else:  # loss and norm are global values: every rank skips alike
         run.pending = step_unless_non_finite(optimizer, step, loss, lr, grad_norm)
+    run.pending.flops = _step_flops(run, microbatches)
     optimizer.zero_grad(set_to_none=True)
+
+
+def _step_flops(run: RunState, microbatches: list) -> float | None:
+    """The step's training FLOPs over every replica, from the documents of this replica's rows (their
+    lengths decide the attention's share, model/flops.py), taken as every replica's share."""
+    if run.size.flops is None:
+        return None
+    pieces = [length for batch in microbatches for length in batch.cu_seqlens.diff().tolist()]
+    return run.size.flops.of_pieces(pieces) * run.tokens_per_step / sum(pieces)
 
 
 def _settle(run: RunState) -> None:
@@ -166,7 +176,7 @@ def _settle(run: RunState) -> None:
         return
     if outcome.applied():
         run.skipped_in_row = 0
-        run.logger.step(outcome.step, outcome.loss, outcome.lr, outcome.grad_norm)
+        run.logger.step(outcome.step, outcome.loss, outcome.lr, outcome.grad_norm, flops=outcome.flops)
     else:
         run.skipped_in_row += 1
         _skip(run, outcome.step, outcome.loss, outcome.grad_norm)

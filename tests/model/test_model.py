@@ -142,3 +142,21 @@ def test_flops_per_token_is_dominated_by_matmuls():
     model = HybridLM(tiny())
     flops = model.flops_per_token(64)
     assert 6 * model.num_parameters(exclude_embeddings=True) < flops < 12 * model.num_parameters()
+
+
+def test_packed_documents_cost_full_attention_only_within_each_document():
+    config = tiny()   # a GDN, a sliding-window (5 keys) and a full attention layer
+    flops = HybridLM(config).training_flops()
+    heads, dim = config.attn_num_heads, config.attn_dim
+
+    def attention(lengths, window):  # x3 for training; 2 x 2 FLOPs per key seen and channel
+        keys = sum(min(window or i, i) for n in lengths for i in range(1, n + 1))
+        return 3 * 4 * keys * heads * dim
+
+    # the GDN and matmul work do not depend on where the row is cut; attention sees keys of its piece
+    cuts = [[128], [64, 64], [3, 125], [1] * 128]
+    for a, b in zip(cuts, cuts[1:]):
+        expected = sum(attention(a, window) - attention(b, window) for window in (None, config.window_size))
+        assert flops.of_pieces(a) - flops.of_pieces(b) == pytest.approx(expected, rel=1e-12)
+    gdn_only = HybridLM(tiny(n_layers=1, layer_pattern="G")).training_flops()
+    assert gdn_only.of_pieces([128]) == gdn_only.of_pieces([64, 64])

@@ -95,6 +95,36 @@ def test_progress_line_format():
     assert format_duration(62) == "1m02s" and format_duration(3725) == "1h02m05s"
 
 
+def test_mfu_counts_the_flops_each_step_was_given():
+    printed, peak = [], 1e12
+    logger = ProgressLogger(ProgressSettings(200, 10, 1024, flops_per_token=6e6, peak_flops=peak),
+                            torch.device("cpu"), printed.append)
+    for step in range(11):
+        record = logger.step(step, torch.tensor(4.0), 3e-3, torch.tensor(1.0), flops=1e9 * (step + 1))
+    # steps 1..10 in the second line's interval: (2 + ... + 11) GFLOP, not 6e6 x 1024 a step
+    assert record["mfu"] == pytest.approx(sum(range(2, 12)) * 1e9 / record["interval_s"] / peak)
+
+
+def test_training_counts_attention_within_the_documents_of_its_rows(tmp_path):
+    """configs' data packs documents into rows: full attention's work is that of the pieces, so a
+    step's MFU is at most the count for rows of one document each, below it where files end inside rows."""
+    from gdn_parallel.train import run_training
+    from gdn_parallel.train.metrics_sinks import read_metrics
+    config = Config.from_yaml(REPO / "configs" / "tiny-cpu.yaml", [
+        "train.steps=2", "train.warmup_steps=1", "train.seq_len=512", "model.n_layers=2",
+        "model.layer_pattern=GA", "train.log_every=1", "train.eval_rows=1", "train.eval_every=0",
+        "train.peak_tflops=0.001",
+        f"train.out_dir={tmp_path}"])
+    run_training(config, print_fn=lambda line: None)
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "mfu" in r]
+    with torch.device("meta"):
+        one_document = HybridLM(config.model).flops_per_token(512)
+    as_one_document = [one_document * r["tokens_per_s"] / 1e9 for r in records]
+    assert len(records) == 2
+    assert all(0 < r["mfu"] <= bound * (1 + 1e-12) for r, bound in zip(records, as_one_document))
+    assert records[0]["mfu"] < 0.99 * as_one_document[0]   # step 0's rows hold several files each
+
+
 def test_python_dash_m_entry_point(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "gdn_parallel.train", "--steps", "2",
