@@ -579,6 +579,12 @@ class ParallelConfig:
                                   rule=_at_least(1))
     data_parallel: str = setting("fsdp", "fsdp (FSDP2 over dp, replicated over cp) or ddp",
                                  choices=DATA_PARALLEL_MODES)
+    fsdp_reshard_after_forward: bool = setting(
+        True, "with data_parallel=fsdp: free each block's gathered parameters after its forward and gather "
+              "them again for its backward and for every micro-batch (true: the least memory), or "
+              "gather them once a step and keep them until the last micro-batch's backward (false: the "
+              "whole model's parameters in the compute dtype on every rank; one all-gather a block a "
+              "step instead of two a micro-batch)")
     cp_algorithm: str = setting(
         "relay", "how the GDN state crosses context-parallel ranks (docs/design.md §2): relay (rank to rank, "
                  "exact) or allgather (one all-gather of segment summaries per layer, for a large cp)",
@@ -605,6 +611,10 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.tp * pp * cp * dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} "
                 f"but the job has {world_size} processes; make the product equal the world size")
+        if not self.fsdp_reshard_after_forward and self.data_parallel != "fsdp":
+            raise ConfigError(f"parallel.fsdp_reshard_after_forward=false is an FSDP2 setting and "
+                              f"parallel.data_parallel={self.data_parallel} keeps whole parameters anyway; "
+                              f"remove it or set parallel.data_parallel=fsdp")
         if self.pp_schedule == "interleaved" and self.virtual_stages < 2 and self.pp > 1:
             raise ConfigError(f"parallel.virtual_stages={self.virtual_stages}: "
                               f"parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2")

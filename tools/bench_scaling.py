@@ -16,6 +16,7 @@ call of this tool (the same machine, the same software). Each dimension keeps ea
 issue defines it:
     dp            gdn-1.3b, the config's batch (8, micro-batches of 4) per replica (train.batch_size is per
                   data-parallel replica: the global batch is 8n at dp = n)
+    dp-gathered   the same with parallel.fsdp_reshard_after_forward=false (one all-gather a block a step)
     cp            h1-1.3b, full checkpointing, 64K tokens a rank: one row of 64K * n tokens over cp = n
     cp-allgather  the same with parallel.cp_algorithm=allgather
     tp            h1-1.3b, the config's batch over tp = n (the same batch: strong scaling per replica)
@@ -66,6 +67,9 @@ def _tp(n: int) -> list[str]:
 
 DIMENSIONS = {
     "dp": Dimension("dp", "configs/gdn-1.3b.yaml", _dp, "FSDP2, batch 8 (micro 4) per replica"),
+    "dp-gathered": Dimension("dp-gathered", "configs/gdn-1.3b.yaml",
+                             lambda n: [*_dp(n), "parallel.fsdp_reshard_after_forward=false"],
+                             "as dp, parameters gathered once a step"),
     "cp": Dimension("cp", "configs/h1-1.3b.yaml", _cp, "state relay, 64K tokens a rank, full checkpointing"),
     "cp-allgather": Dimension("cp-allgather", "configs/h1-1.3b.yaml",
                               lambda n: _cp(n, algorithm="allgather"), "summary all-gather, as cp"),

@@ -7,7 +7,10 @@ blocks in `module.layers`, an nn.ModuleList or nn.ModuleDict):
 - `fsdp`: FSDP2 `fully_shard` on every block, then on the root. Parameters are sharded over dp and
   replicated over cp (HSDP on a (cp, dp) mesh; a 1-D dp mesh when cp == 1), so the forward's
   parameter all-gathers stay inside dp and never couple the CP wavefront; gradients are
-  reduce-scattered over dp and all-reduced over cp in the backward.
+  reduce-scattered over dp and all-reduced over cp in the backward. With
+  `parallel.fsdp_reshard_after_forward=false` a block keeps its gathered parameters from its first
+  forward of a step to its last micro-batch's backward (ParallelModel switches the reshard after each
+  backward off until then; torch's pipeline schedule does the same for its stages).
 - `ddp`: torch DDP over the flattened dp x cp group; its bucketed all-reduces are asynchronous and
   overlap the backward. Nothing is communicated in the forward (`broadcast_buffers=False`).
 
@@ -91,17 +94,17 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, config: ParallelC
     """
     config = config or dims.config
     if config.data_parallel == "fsdp":
-        return _apply_fsdp(module, dims, param_dtype, reduce_dtype)
+        return _apply_fsdp(module, dims, param_dtype, reduce_dtype, config.fsdp_reshard_after_forward)
     if config.data_parallel == "ddp":
         return _apply_ddp(module, dims, reduce_dtype if param_dtype is not None else None)
     raise ValueError(f"parallel.data_parallel={config.data_parallel!r}; choose 'fsdp' or 'ddp'")
 
 
-def _apply_fsdp(module, dims, param_dtype, reduce_dtype):
+def _apply_fsdp(module, dims, param_dtype, reduce_dtype, reshard_after_forward: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = hsdp_mesh(dims)
-    kwargs = {"mesh": mesh}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if param_dtype is not None:
         # cast_forward_inputs=False: FSDP2 would rebuild every dataclass in the inputs on each
         # wrapped module (dataclasses.replace), copying SequenceInfo -> CPContext -> its outbox

@@ -141,7 +141,9 @@ class ParallelModel:
         return total
 
     def _gradient_sync(self, last: bool):
-        """Reduce gradients only with the last microbatch (DDP no_sync / FSDP2 sync switch)."""
+        """Reduce gradients only with the last microbatch (DDP no_sync / FSDP2 sync switch); FSDP2 kept
+        gathered (parallel.fsdp_reshard_after_forward=false) reshards only after the last one's backward,
+        so the next step's forward gathers the updated parameters."""
         module = self.train_module
         no_sync = getattr(module, "no_sync", None)
         if no_sync is not None and not last:
@@ -149,6 +151,8 @@ class ParallelModel:
         set_sync = getattr(module, "set_requires_gradient_sync", None)
         if set_sync is not None:
             set_sync(last)
+            if not self.config.fsdp_reshard_after_forward:
+                module.set_reshard_after_backward(last)
         return contextlib.nullcontext()
 
     def _reduce_gradients(self) -> None:

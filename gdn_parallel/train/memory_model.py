@@ -17,7 +17,8 @@ autocast) and checked against measurements (tools/memory_account.py, docs/benchm
 long context").
 
 Per rank: tokens are divided by parallel.cp, parameters and optimizer state by the FSDP2 shard
-(dp: they are replicated over cp, parallel/data_parallel.py), and the layers by pipeline stage;
+(dp: they are replicated over cp, parallel/data_parallel.py; with parallel.fsdp_reshard_after_forward
+off the weights add every block's gathered copy in the compute dtype), and the layers by pipeline stage;
 tensor parallelism divides the blocks' weights and working sets by tp (the residual stream only
 under sequence parallelism). Checked on one GPU and under cp = 2 and 4 (docs/benchmarks.md).
 """
@@ -98,6 +99,9 @@ def predict_peak(config: Config, rows: int | None = None,
     shard = par.dp if par.data_parallel == "fsdp" else 1   # HSDP: replicated over cp
     local = (sum(block_params) + rest / tp) / shard
     weights, optimizer = FP32 * local, 2 * FP32 * local
+    if shard > 1 and not par.fsdp_reshard_after_forward:   # every block's gathered copy, all step long
+        gathered_dtype = autocast_dtype(train.dtype, torch.device("cuda")) or torch.float32
+        weights += gathered_dtype.itemsize * (sum(block_params) + rest / tp)
     # one hidden row of the residual stream (on the GPU, where autocast runs)
     stream_bytes = residual_stream_dtype(model, autocast_dtype(train.dtype, torch.device("cuda"))).itemsize
     row = stream_bytes * model.hidden_size * tokens / (tp if par.sequence_parallel else 1)

@@ -2,7 +2,8 @@
 
 A layout is written as comma-separated tokens (the same text the table prints and `--layouts`
 reads): degrees `pp2`, `dp=2` (absent degrees are 1), and options `sp`, `allgather` / `relay`,
-`zigzag` / `contiguous` (parallel.cp_attention_split), `ddp` / `fsdp`, `interleaved` (virtual
+`zigzag` / `contiguous` (parallel.cp_attention_split), `ddp` / `fsdp`, `gathered`
+(parallel.fsdp_reshard_after_forward=false), `interleaved` (virtual
 stages 2; `vs=N` for more), `1f1b`, `ac=full` / `ac=selective` (activation checkpointing).
 `tp2_cp2` (the old tools' names) reads the same as `tp2,cp2`.
 
@@ -50,6 +51,7 @@ class Layout:
     cp_algorithm: str = "relay"
     cp_attention_split: str = "contiguous"
     data_parallel: str = "fsdp"
+    fsdp_reshard_after_forward: bool = True   # `gathered`: FSDP2 keeps a step's gathered parameters
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     activation_checkpointing: str = "none"
@@ -73,6 +75,8 @@ class Layout:
             parts.append(self.cp_attention_split)
         if self.data_parallel != "fsdp":
             parts.append(self.data_parallel)
+        if not self.fsdp_reshard_after_forward:
+            parts.append("gathered")
         if self.pp_schedule != "1f1b":
             parts.append(self.pp_schedule)
             if self.virtual_stages != INTERLEAVED_VIRTUAL_STAGES:
@@ -102,6 +106,7 @@ _OPTION_WORDS = {
     "relay": ("cp_algorithm", "relay"), "allgather": ("cp_algorithm", "allgather"),
     "contiguous": ("cp_attention_split", "contiguous"), "zigzag": ("cp_attention_split", "zigzag"),
     "fsdp": ("data_parallel", "fsdp"), "ddp": ("data_parallel", "ddp"),
+    "gathered": ("fsdp_reshard_after_forward", False),
     "1f1b": ("pp_schedule", "1f1b"), "interleaved": ("pp_schedule", "interleaved"),
     "offload": ("activation_offload", "cpu"),
 }
@@ -111,7 +116,7 @@ _KEYED = {"cp_algorithm": "cp_algorithm", "cp_attention_split": "cp_attention_sp
           "ac": "activation_checkpointing", "activation_checkpointing": "activation_checkpointing"}
 _DEGREE = re.compile(r"(pp|dp|cp|tp)=?(\d+)")
 ACCEPTED = ("degrees pp2 / pp=2 (also dp, cp, tp), sp, relay, allgather, contiguous, zigzag, fsdp, ddp, "
-            "1f1b, interleaved, "
+            "gathered (FSDP2 parameters gathered once a step), 1f1b, interleaved, "
             "vs=N, ac=none|selective|full, offload (with ac=full)")
 
 

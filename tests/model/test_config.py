@@ -185,6 +185,9 @@ BAD_INPUTS = [
     ("parallel.virtual_stages=0", "parallel.virtual_stages"),
     ("parallel.virtual_stages=2", "parallel.virtual_stages"),  # 1f1b has one stage per rank
     ("parallel.data_parallel=zero", "parallel.data_parallel"),
+    # DDP keeps whole parameters: nothing to gather once
+    (["parallel.data_parallel=ddp", "parallel.fsdp_reshard_after_forward=false"],
+     "parallel.fsdp_reshard_after_forward"),
     ("parallel.cp_algorithm=ring", "parallel.cp_algorithm"),
     ("parallel.cp_attention_split=ring", "parallel.cp_attention_split"),
     # shards of 129 tokens do not halve into zigzag's query blocks

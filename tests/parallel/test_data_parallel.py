@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gdn_parallel.config import ModelConfig, ParallelConfig
-from gdn_parallel.model import HybridLM
+from gdn_parallel.model import HybridLM, blocks_of
 from gdn_parallel.parallel.batch import cp_loss, shard_batch
 from gdn_parallel.parallel.data_parallel import (
     apply_data_parallel,
@@ -140,6 +140,38 @@ def dp2_cp2_cases(rank, world):
     return True
 
 
+def _gathered_step(rank, world):
+    """Two steps of two micro-batches each through ParallelModel, FSDP2 over dp=2, with the parameters
+    resharded after every pass (the default) and kept gathered for a step: the FSDP all-gathers each
+    layout makes in a step, and its parameters and gradients (float64: the two must agree exactly)."""
+    from gdn_parallel.parallel.parallelize import parallelize
+    results = {}
+    for keep_gathered in (False, True):
+        seed_torch(0)
+        model = HybridLM(model_config()).double()
+        config = ParallelConfig(dp=2, fsdp_reshard_after_forward=not keep_gathered)
+        parallel = parallelize(model, build_mesh(config, "cpu"), config)
+        opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
+        gathers = []
+        for step, layouts in enumerate(LAYOUTS):
+            microbatches = [make_batch(cu, seed=10 * step + 2 * rank + i) for i, cu in enumerate(layouts)]
+            with record_collectives([]) as calls:
+                parallel.train_step(microbatches)
+            gathers.append(sum("all_gather" in name for name, _ in calls))
+            grads = {n: full(p.grad).clone() for n, p in parallel.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        params = {n: full(p).clone() for n, p in parallel.named_parameters()}
+        results[keep_gathered] = (gathers, grads, params)
+    (resharding, grads, params), (kept, kept_grads, kept_params) = results[False], results[True]
+    units = len(blocks_of(model)) + 1    # every block, and the root (embeddings, final norm, lm_head)
+    assert kept == [units, units], (kept, units)            # each unit gathered once a step
+    assert all(r > 2 * k for r, k in zip(resharding, kept)), (resharding, kept)
+    assert_close_set(kept_grads, grads, 1e-12, "gradients of the last step, kept gathered")
+    assert_close_set(kept_params, params, 1e-12, "parameters after two steps, kept gathered")
+    return resharding, kept
+
+
 class _Block(nn.Module):
     def __init__(self, weight, bias):
         super().__init__()
@@ -210,6 +242,11 @@ def clip_cases(rank, world):
 
 def test_dp2_and_cp2_fsdp_and_ddp_match_single_process():
     assert all(DP_CASES("dp2_cp2_two_process"))
+
+
+def test_fsdp_kept_gathered_gathers_once_a_step_and_trains_the_same():
+    resharding, kept = DP_CASES("gathered")[0]
+    print(f"FSDP all-gathers a step: {resharding} resharding after each pass, {kept} kept gathered")
 
 
 def test_dp2_cp2_fsdp_and_ddp_match_single_process():
@@ -303,4 +340,5 @@ def test_ddp_hook_result_waits_for_every_collective(monkeypatch, world, reduce_d
 
 # Cases run in launches shared by world size across the modules (tests/parallel/launcher.py, SharedLaunch).
 DP_CASES = SharedLaunch({"dp2_cp2_two_process": (2, two_process_cases), "normalizers": (2, _normalizers),
+                         "gathered": (2, _gathered_step),
                          "dp2_cp2": (4, dp2_cp2_cases), "clip": (4, clip_cases)})

@@ -88,6 +88,16 @@ def test_context_parallelism_divides_the_tokens_not_the_weights():
     assert sharded.optimizer_state_gib == pytest.approx(one.optimizer_state_gib / 2)
 
 
+def test_parameters_kept_gathered_add_the_whole_model_in_the_compute_dtype():
+    config = ["parallel.dp=2"]
+    sharded = predict_peak(Config.from_yaml("configs/gdn-1.3b.yaml", config))
+    kept = predict_peak(Config.from_yaml("configs/gdn-1.3b.yaml",
+                                         [*config, "parallel.fsdp_reshard_after_forward=false"]))
+    # fp32 weights sharded over 2 ranks, plus a bf16 copy of all of them: 1 + 2 x 2 / 4 = twice the shard
+    assert kept.weights_gib == pytest.approx(2 * sharded.weights_gib)
+    assert kept.peak_gib - sharded.peak_gib == pytest.approx(sharded.weights_gib)
+
+
 # Peaks of the long-context configs as shipped, one rank of 2 or 4 (torch.cuda.max_memory_allocated,
 # GiB; 4 H200s, 2026-11-26, docs/benchmarks.md "The long-context configs on several GPUs"): the cp
 # ranks each hold the whole model, its gradients and optimizer state.

@@ -122,16 +122,21 @@ def test_a_wrong_layout_fails_the_run_and_is_named(tmp_path):
     assert cp4["worst"]["params"]
 
 
-def test_zigzag_full_attention_matches_one_device(tmp_path):
-    """A G/A hybrid (full causal attention) under cp2 with the zigzag split: query blocks moved to the
-    ranks that compute them and back, also with recomputed blocks replaying what they received."""
-    out = torchrun_verify(["--layouts", "cp2,zigzag", "cp2,zigzag,ac=full", "--set", "model.layer_pattern=GA",
-                           "--seq-len", "64", "--json", str(tmp_path / "v.json")], nproc=2)
+def test_zigzag_full_attention_and_fsdp_kept_gathered_match_one_device(tmp_path):
+    """Two options outside the default set, in one launch of 2 processes on a G/A hybrid (full causal
+    attention): cp2 with the zigzag split (query blocks moved to the ranks that compute them and back,
+    also with recomputed blocks replaying what they received), and dp2 with FSDP2's parameters kept
+    gathered over the step's micro-batches."""
+    out = torchrun_verify(["--layouts", "cp2,zigzag", "cp2,zigzag,ac=full", "dp2,gathered",
+                           "--set", "model.layer_pattern=GA", "--seq-len", "64",
+                           "--json", str(tmp_path / "v.json")], nproc=2)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert re.search(r"^cp2,zigzag .* pass$", out.stdout, re.M), out.stdout
-    assert re.search(r"^cp2,zigzag,ac=full .* pass$", out.stdout, re.M), out.stdout
+    for layout in ("cp2,zigzag", "cp2,zigzag,ac=full", "dp2,gathered"):
+        assert re.search(rf"^{layout} .* pass$", out.stdout, re.M), out.stdout
     results = json.loads((tmp_path / "v.json").read_text())
-    assert [(l["cp_attention_split"], l["status"]) for l in results["layouts"]] == [("zigzag", "pass")] * 2
+    assert [(l["cp_attention_split"], l["fsdp_reshard_after_forward"], l["status"])
+            for l in results["layouts"]] == [("zigzag", True, "pass")] * 2 + [("contiguous", False, "pass")]
+    assert results["micro_batches"] == 2
 
 
 def test_bad_arguments_exit_2_and_say_what_to_write(capsys):

@@ -145,7 +145,7 @@ def test_old_tool_names_keep_their_meaning():
     assert LAYOUTS["cp2_allgather"]["cp_algorithm"] == "allgather"
     assert LAYOUTS["tp2_sp"]["sequence_parallel"] is True
     assert all(set(LAYOUTS[n]) == {*DIMS, "sequence_parallel", "cp_algorithm", "cp_attention_split",
-                                   "data_parallel", "pp_schedule",
+                                   "data_parallel", "fsdp_reshard_after_forward", "pp_schedule",
                                    "virtual_stages"} for n in OLD_NAMES)
 
 
