@@ -16,6 +16,8 @@ def test_each_dimension_keeps_each_gpus_work():
     # each GPU n times the work); cp: 64K tokens a rank; tp: the same batch
     assert _settings("dp", 4)["train.batch_size"] == "8" and _settings("dp", 4)["parallel.dp"] == "4"
     assert _settings("dp", 4)["train.microbatch_size"] == "4"
+    gathered = _settings("dp-gathered", 2)
+    assert gathered.pop("parallel.fsdp_reshard_after_forward") == "false" and gathered == _settings("dp", 2)
     for name, algorithm in (("cp", "relay"), ("cp-allgather", "allgather")):
         at_two = _settings(name, 2)
         assert at_two["train.seq_len"] == str(2 * 65536) and at_two["parallel.cp"] == "2"

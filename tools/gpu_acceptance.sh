@@ -7,6 +7,8 @@
 #   bash tools/gpu_acceptance.sh ab_stream (the same, model.residual_in_fp32=false against this tree's default)
 #   bash tools/gpu_acceptance.sh scaling   (tools/bench_scaling.py: dp, cp, cp-allgather, tp at 1, 2, 4 GPUs;
 #                                           scaling_profile: 1 and 2 GPUs with a profiled step, every rank's trace)
+#   bash tools/gpu_acceptance.sh gathered  (FSDP2 gathered once a step: gdn-verify bf16 of its layouts, then
+#                                           bench_scaling's dp against dp-gathered)
 #   bash tools/gpu_acceptance.sh hybrids   (2 GPUs: gdn-verify bf16 of configs/qwen3next-1.3b and kimi-1.3b)
 #   bash tools/gpu_acceptance.sh hybrids_long (both at 256K tokens with cp 2: two GPUs each; on 2 GPUs
 #                                           one after the other, or those named in HYBRID_CONFIGS)
@@ -130,6 +132,20 @@ if [[ " $parts " == *" scaling "* ]]; then
     step scaling 590 python3 tools/bench_scaling.py --steps 12 --skip 4 --timeout-s 150 --budget-s 450 \
         --out "$out/scaling"
     grep -A14 "^| dimension" "$out/scaling.log"
+fi
+# FSDP2 with parameters gathered once a step (issue 42): gdn-verify bf16 of the layout on NCCL, then dp
+# against dp-gathered at 1 and 2 GPUs (4 where there are) in one bench_scaling run.
+if [[ " $parts " == *" gathered "* ]]; then
+    n=$(nvidia-smi -L | wc -l)
+    layouts=(dp2,gathered); (( n >= 4 )) && layouts=(dp4,gathered pp2,dp2,gathered)   # the job's world
+    step verify_gathered 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" -m gdn_parallel.verify \
+        --config configs/h1-0.4b.yaml --dtype bf16 --seq-len 8192 --rows 1 --checkpoint --layouts "${layouts[@]}" \
+        --json "$out/verify_gathered.json"
+    tail -8 "$out/verify_gathered.log"
+    sizes=1,2; (( n >= 4 )) && sizes=1,2,4
+    step scaling_gathered 380 python3 tools/bench_scaling.py --dims dp,dp-gathered --sizes "$sizes" --steps 12 \
+        --skip 4 --timeout-s 120 --budget-s 340 --out "$out/scaling_gathered"
+    grep -A8 "^| dimension" "$out/scaling_gathered.log"
 fi
 if [[ " $parts " == *" scaling_profile "* ]]; then
     step scaling_profile 590 python3 tools/bench_scaling.py --sizes 1,2 --steps 9 --skip 4 \
