@@ -58,10 +58,15 @@ def process_group(train_config) -> Iterator[tuple[torch.device, bool]]:
     else:
         device = resolve_device(train_config.device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
+        bound = {}
+        if device.type == "cuda":
+            if device.index is not None:
+                torch.cuda.set_device(device)
+            # bound to its device, as a launched job's group is (launch_env._join): the barriers at the
+            # end then need no guess of the device, which torch warned about twice after every run
+            bound = {"device_id": torch.device("cuda", torch.cuda.current_device())}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), **bound)
         launched = False
     finished = False
     try:

@@ -44,6 +44,23 @@ def test_an_error_closes_the_group_without_waiting_on_peers(pauses):
     assert pauses == []  # a failed peer would never reach the barrier
 
 
+def test_a_single_cuda_process_binds_its_group_to_its_device(monkeypatch):
+    """Unbound, the group's closing barrier warned twice after every one-GPU run ("barrier(): using the
+    device under current context", "Guessing device ID based on global rank")."""
+    formed = []
+
+    def init_process_group(backend, **kwargs):
+        formed.append((backend, kwargs))
+        raise RuntimeError("formed")    # enough: only the arguments are checked, on a machine without CUDA
+    monkeypatch.setattr(session, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(RuntimeError, match="formed"):
+        with session.process_group(TrainConfig(device="cuda")):
+            pass
+    assert formed[0][0] == "nccl" and formed[0][1]["device_id"] == torch.device("cuda", 3)
+
+
 # --- train.collective_timeout_s bounds the group's waits; communication failures say what to do ----------
 
 def test_the_single_process_group_gets_the_configured_timeout():
