@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,7 @@ def _apply_fsdp(module, dims, param_dtype, reduce_dtype, reshard_after_forward: 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = hsdp_mesh(dims)
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if param_dtype is not None:
         # cast_forward_inputs=False: FSDP2 would rebuild every dataclass in the inputs on each
         # wrapped module (dataclasses.replace), copying SequenceInfo -> CPContext -> its outbox

@@ -151,8 +151,9 @@ class ParallelModel:
         set_sync = getattr(module, "set_requires_gradient_sync", None)
         if set_sync is not None:
             set_sync(last)
-            if not self.config.fsdp_reshard_after_forward:
-                module.set_reshard_after_backward(last)
+        set_reshard = getattr(module, "set_reshard_after_backward", None)
+        if set_reshard is not None and not self.config.fsdp_reshard_after_forward:
+            set_reshard(last)
         return contextlib.nullcontext()
 
     def _reduce_gradients(self) -> None:

@@ -84,6 +84,15 @@ def _layer_parameters(model: ModelConfig) -> tuple[list[int], int]:
     return blocks, skeleton.num_parameters() - sum(blocks)
 
 
+def _kept_gathered(config: Config, shard: int, params: float) -> float:
+    """FSDP2's gathered copy of the rank's `params` (its stages', a tp-th), kept all step long when
+    parallel.fsdp_reshard_after_forward is off, in the compute dtype."""
+    if shard == 1 or config.parallel.fsdp_reshard_after_forward:
+        return 0.0
+    gathered_dtype = autocast_dtype(config.train.dtype, torch.device("cuda")) or torch.float32
+    return gathered_dtype.itemsize * params
+
+
 def predict_peak(config: Config, rows: int | None = None,
                  offload_blocks: int | None = None) -> MemoryPrediction:
     """The peak of one rank. `rows`: sequences per forward/backward (default: the config's micro-batch);
@@ -98,10 +107,8 @@ def predict_peak(config: Config, rows: int | None = None,
     block_params = [n / tp for n in block_params[:blocks]]
     shard = par.dp if par.data_parallel == "fsdp" else 1   # HSDP: replicated over cp
     local = (sum(block_params) + rest / tp) / shard
-    weights, optimizer = FP32 * local, 2 * FP32 * local
-    if shard > 1 and not par.fsdp_reshard_after_forward:   # every block's gathered copy, all step long
-        gathered_dtype = autocast_dtype(train.dtype, torch.device("cuda")) or torch.float32
-        weights += gathered_dtype.itemsize * (sum(block_params) + rest / tp)
+    weights = FP32 * local + _kept_gathered(config, shard, sum(block_params) + rest / tp)
+    optimizer = 2 * FP32 * local
     # one hidden row of the residual stream (on the GPU, where autocast runs)
     stream_bytes = residual_stream_dtype(model, autocast_dtype(train.dtype, torch.device("cuda"))).itemsize
     row = stream_bytes * model.hidden_size * tokens / (tp if par.sequence_parallel else 1)

@@ -317,10 +317,7 @@ class ProgressLogger:
         """Record one finished step; print and return a record when a line is due. `flops`: the step's
         training FLOPs over every replica (its documents' work, model/flops.py); None: flops_per_token
         times the step's tokens."""
-        if flops is None and self.flops_per_token:
-            flops = self.flops_per_token * self.tokens_per_step
-        counted = flops is not None and self._interval_flops is not None
-        self._interval_flops = self._interval_flops + flops if counted else None
+        self._count_flops(flops)
         self._pending.append(loss.detach().float().reshape(()))
         self._pending_steps.append(step)
         self._interval_steps += 1
@@ -329,11 +326,7 @@ class ProgressLogger:
         if not self.due(step):
             self._update_bar(step)
             return None
-        losses = torch.stack(self._pending).tolist()       # one device sync per line
-        self.losses.extend(losses)
-        self.loss_points.extend(zip(self._pending_steps, losses))
-        self._pending.clear()
-        self._pending_steps.clear()
+        losses = self._read_pending_losses()
         grad_norm_value = float(grad_norm)
         now = time.perf_counter()
         interval_s = max(now - self._interval_start - self._interval_paused, 1e-9)
@@ -356,8 +349,7 @@ class ProgressLogger:
         }
         record.update(self.extras())
         compiled = record.get("compiled")
-        self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
-        self._interval_flops = 0.0
+        self._start_interval(now)
         second_line = len(self.records) == 1
         if second_line:
             record["startup"] = self.startup = self._startup(self.records[0], record)
@@ -412,6 +404,27 @@ class ProgressLogger:
         details = (f"loss {loss} | {steps_per_s:.2f} step/s | "
                    f"eta {format_duration(remaining / steps_per_s)}")
         self.bar.show(ProgressBar.render(step + 1, self.total_steps, details), force=force)
+
+    def _read_pending_losses(self) -> list[float]:
+        """The losses of the steps since the last line, read from the device (one sync per line)."""
+        losses = torch.stack(self._pending).tolist()
+        self.losses.extend(losses)
+        self.loss_points.extend(zip(self._pending_steps, losses))
+        self._pending.clear()
+        self._pending_steps.clear()
+        return losses
+
+    def _start_interval(self, now: float) -> None:
+        self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
+        self._interval_flops = 0.0
+
+    def _count_flops(self, flops: float | None) -> None:
+        """Add a step's FLOPs to the interval's (flops_per_token's count when it brings none); one
+        step not counted leaves the interval's MFU unknown."""
+        if flops is None and self.flops_per_token:
+            flops = self.flops_per_token * self.tokens_per_step
+        counted = flops is not None and self._interval_flops is not None
+        self._interval_flops = self._interval_flops + flops if counted else None
 
     def _mfu(self, interval_s: float) -> float | None:
         if not self._interval_flops or not self.peak_flops:
