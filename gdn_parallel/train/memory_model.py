@@ -131,9 +131,11 @@ def predict_peak(config: Config, rows: int | None = None,
     # below, the gradient flowing down the residual stream (and, under offload, the next input coming
     # back), and the block's own working set. Without full checkpointing every block below keeps its
     # activations instead of its input.
-    # (with gradient accumulation, a later micro-batch finds every gradient already there)
+    # With gradient accumulation a later micro-batch finds every gradient already there, and under
+    # FSDP2 unsharded: until the last micro-batch reduces them, each rank adds its own whole fp32
+    # gradients (FSDP2's unsharded_accumulated_grad), not a shard of the sums.
     accumulating = train.batch_size > rows
-    grads = FP32 * (local if accumulating else rest / tp / shard)
+    grads = FP32 * (local * shard if accumulating else rest / tp / shard)
     peak_backward, kept_at_peak, working_at_peak = 0.0, 0.0, 0.0
     for index in reversed(range(blocks)):
         grads += 0.0 if accumulating else FP32 * block_params[index] / shard

@@ -88,6 +88,15 @@ def test_context_parallelism_divides_the_tokens_not_the_weights():
     assert sharded.optimizer_state_gib == pytest.approx(one.optimizer_state_gib / 2)
 
 
+def test_fsdp_accumulates_whole_gradients_on_every_rank():
+    """gdn-1.3b's batch of 8 in micro-batches of 4: until the last micro-batch reduces them, FSDP2 adds
+    each rank's unsharded fp32 gradients. So dp 2 halves the weights and the optimizer state, not the
+    gradients (the model once halved them too: 2.5 GiB under the peak)."""
+    one = predict_peak(Config.from_yaml("configs/gdn-1.3b.yaml"))
+    two = predict_peak(Config.from_yaml("configs/gdn-1.3b.yaml", ["parallel.dp=2"]))
+    assert one.peak_gib - two.peak_gib == pytest.approx((one.weights_gib + one.optimizer_state_gib) / 2)
+
+
 def test_parameters_kept_gathered_add_the_whole_model_in_the_compute_dtype():
     config = ["parallel.dp=2"]
     sharded = predict_peak(Config.from_yaml("configs/gdn-1.3b.yaml", config))
