@@ -130,10 +130,8 @@ def predict_peak(config: Config, rows: int | None = None,
     # The backward, block by block from the last: gradients so far, what is still kept of the blocks
     # below, the gradient flowing down the residual stream (and, under offload, the next input coming
     # back), and the block's own working set. Without full checkpointing every block below keeps its
-    # activations instead of its input.
-    # With gradient accumulation a later micro-batch finds every gradient already there, and under
-    # FSDP2 unsharded: until the last micro-batch reduces them, each rank adds its own whole fp32
-    # gradients (FSDP2's unsharded_accumulated_grad), not a shard of the sums.
+    # activations instead of its input. With gradient accumulation a later micro-batch finds every
+    # gradient there, whole under FSDP2 too (fp32 unsharded_accumulated_grad until the last reduces).
     accumulating = train.batch_size > rows
     grads = FP32 * (local * shard if accumulating else rest / tp / shard)
     peak_backward, kept_at_peak, working_at_peak = 0.0, 0.0, 0.0
