@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..config import ModelConfig
 from .mixers import mixer_flops_per_token
@@ -36,8 +37,12 @@ class TrainingFlops:
             mixer += length * count * self._mixers(length)
         return 6.0 * self.matmul_params * tokens + 3.0 * mixer
 
+    @cached_property
+    def _layers(self) -> Counter:
+        """How many layers of each mixer the model has (counted once: `of_pieces` runs every step)."""
+        return Counter(self.config.layer_types)
+
     def _mixers(self, length: int) -> float:
         """Every layer's mixer work per token of a piece of `length` tokens."""
-        layers = Counter(self.config.layer_types)
         return sum(count * mixer_flops_per_token(symbol, self.config, length)
-                   for symbol, count in layers.items())
+                   for symbol, count in self._layers.items())

@@ -106,9 +106,9 @@ def predict_peak(config: Config, rows: int | None = None,
     symbols = model.layer_types[:blocks]
     block_params = [n / tp for n in block_params[:blocks]]
     shard = par.dp if par.data_parallel == "fsdp" else 1   # HSDP: replicated over cp
-    local = (sum(block_params) + rest / tp) / shard
-    weights = FP32 * local + _kept_gathered(config, shard, sum(block_params) + rest / tp)
-    optimizer = 2 * FP32 * local
+    unsharded = sum(block_params) + rest / tp
+    local = unsharded / shard
+    weights, optimizer = FP32 * local + _kept_gathered(config, shard, unsharded), 2 * FP32 * local
     # one hidden row of the residual stream (on the GPU, where autocast runs)
     stream_bytes = residual_stream_dtype(model, autocast_dtype(train.dtype, torch.device("cuda"))).itemsize
     row = stream_bytes * model.hidden_size * tokens / (tp if par.sequence_parallel else 1)
@@ -133,7 +133,7 @@ def predict_peak(config: Config, rows: int | None = None,
     # activations instead of its input. With gradient accumulation a later micro-batch finds every
     # gradient there, whole under FSDP2 too (fp32 unsharded_accumulated_grad until the last reduces).
     accumulating = train.batch_size > rows
-    grads = FP32 * (local * shard if accumulating else rest / tp / shard)
+    grads = FP32 * (unsharded if accumulating else rest / tp / shard)
     peak_backward, kept_at_peak, working_at_peak = 0.0, 0.0, 0.0
     for index in reversed(range(blocks)):
         grads += 0.0 if accumulating else FP32 * block_params[index] / shard

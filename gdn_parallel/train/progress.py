@@ -271,10 +271,9 @@ class ProgressLogger:
         if settings.append:
             self.record({"step": first_step, "resumed": True})
         # the clock starts last: opening the backends (wandb.init takes seconds) is not training time
-        self._start = self._interval_start = time.perf_counter()
-        self._interval_paused = self._paused_total = 0.0
-        self._interval_steps = self._steps_done = 0
-        self._interval_flops: float | None = 0.0           # None: a step of the interval was not counted
+        self._start = time.perf_counter()
+        self._paused_total, self._steps_done = 0.0, 0
+        self._start_interval(self._start)
         self.train_time_s = 0.0                            # wall time minus pauses, at the last line
         self._setup_s = process_age_s()                    # launch to the loop
         self.setup_phases = dict(settings.setup_phases or {})
@@ -416,7 +415,7 @@ class ProgressLogger:
 
     def _start_interval(self, now: float) -> None:
         self._interval_start, self._interval_paused, self._interval_steps = now, 0.0, 0
-        self._interval_flops = 0.0
+        self._interval_flops: float | None = 0.0   # None: a step of the interval was not counted
 
     def _count_flops(self, flops: float | None) -> None:
         """Add a step's FLOPs to the interval's (flops_per_token's count when it brings none); one
