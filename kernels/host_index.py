@@ -8,9 +8,27 @@ import weakref
 
 import torch
 
-# id(host tensor) -> (weak reference to it, its version, device copy). Keyed by id: tensors cannot be
+# id(index tensor) -> (weak reference to it, its version, {key: value}). Keyed by id: tensors cannot be
 # dictionary keys by value (their == is elementwise).
-_device_copies: dict = {}
+_derived: dict = {}
+
+
+def derived(index: torch.Tensor, key, make):
+    """make(), computed once per index tensor (document boundaries) and `key`, and reused while the
+    tensor lives unchanged: every layer of a row derives the same device copies, document starts and
+    checks from one cu_seqlens, and each derivation costs the host several operators per layer (the
+    host sets the pace of a step once a GPU's work is split: docs/benchmarks.md, "Host time"). An
+    in-place change of the tensor (its version) or its release forgets what was derived."""
+    entry = _derived.get(id(index))
+    if entry is None or entry[0]() is not index or entry[1] != index._version:
+        def forget(_: object, ident: int = id(index)) -> None:   # when the tensor is freed
+            _derived.pop(ident, None)
+
+        entry = _derived[id(index)] = (weakref.ref(index, forget), index._version, {})
+    values: dict = entry[2]
+    if key not in values:
+        values[key] = make()
+    return values[key]
 
 
 def on_device(index: torch.Tensor, device) -> torch.Tensor:
@@ -20,15 +38,7 @@ def on_device(index: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if index.device == device:
         return index
-    key = id(index)
-    entry = _device_copies.get(key)
-    if entry is None or entry[0]() is not index or entry[1] != index._version or entry[2].device != device:
-        def forget(_: object, key: int = key) -> None:   # when the host tensor is freed
-            _device_copies.pop(key, None)
-
-        ref = weakref.ref(index, forget)
-        entry = _device_copies[key] = (ref, index._version, copy_to_device(index, device))
-    return entry[2]
+    return derived(index, ("on device", device), lambda: copy_to_device(index, device))
 
 
 def copy_to_device(host: torch.Tensor, device) -> torch.Tensor:

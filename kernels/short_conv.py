@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_index import on_device
+from .host_index import derived, on_device
 from .launch_device import on_tensors_device
 
 __all__ = ["triton_causal_conv1d"]
@@ -314,6 +314,13 @@ class _CausalConv1d(torch.autograd.Function):
         return dx, dweight, dbias, dp, None, None
 
 
+def _document_starts(cu_seqlens: torch.Tensor, tokens: int, device) -> torch.Tensor:
+    """The first row of each token's document, int32 [tokens], computed on the device (no host sync)."""
+    cu = on_device(cu_seqlens, device).to(torch.int64)
+    pos = torch.arange(tokens, device=device)
+    return cu[torch.searchsorted(cu[1:], pos, right=True)].to(torch.int32)
+
+
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None,
                          prefix: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,9 +332,7 @@ def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     start = None
-    if cu_seqlens is not None:
-        # Start of each token's document, computed once on the device (no host sync).
-        cu = on_device(cu_seqlens, x.device).to(torch.int64)
-        pos = torch.arange(x.shape[1], device=x.device)
-        start = cu[torch.searchsorted(cu[1:], pos, right=True)].to(torch.int32)
+    if cu_seqlens is not None:  # made once per boundaries tensor: every conv of a row shares it
+        start = derived(cu_seqlens, ("conv document starts", x.shape[1], x.device),
+                        lambda: _document_starts(cu_seqlens, x.shape[1], x.device))
     return _CausalConv1d.apply(x, weight, bias, prefix, start, activation is not None)

@@ -5,6 +5,8 @@ at 0 in every document so a document sees the same rotary phases wherever it was
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from gdn_kernels.host_index import on_device
 
@@ -77,7 +79,7 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
         raise ValueError(f"theta must be positive, got {theta}")
 
     dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)  # [D/2]
+    inv_freq = _inverse_frequencies(D, float(theta), x.device, dtype)  # [D/2]
     if impl == "auto" and dtype == torch.float32 and auto_uses_triton(x, "rope"):
         return imported_kernel("rope").triton_rotary(x, position_ids.to(x.device), inv_freq)
     freqs = position_ids.to(device=x.device, dtype=dtype).unsqueeze(-1) * inv_freq  # [B|1, T, D/2]
@@ -86,3 +88,12 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 100
     half = D // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(D: int, theta: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """theta^(-2i/D) for i < D/2, made once per head size and device: three launches fewer per layer
+    call. Never an inference tensor, which a later training step could not use."""
+    with torch.inference_mode(False):
+        return theta ** (-torch.arange(0, D, 2, device=device, dtype=dtype) / D)
+

@@ -5,6 +5,7 @@ import os
 from typing import overload
 
 import torch
+from gdn_kernels.host_index import derived
 
 
 def values_checked(x: torch.Tensor) -> bool:
@@ -39,14 +40,25 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, total: int,
     if batch != 1:
         raise ValueError(f"{name} is given with batch size {batch}; packed documents need batch size 1: "
                          f"flatten the batch into one row [1, total] and describe it with {name}")
+    # The values are read once per tensor (a device sync where they live on a GPU): every layer of a
+    # row checks the same boundaries, dozens of times a step.
+    as_int64 = derived(cu_seqlens, ("checked boundaries", total),
+                       lambda: _checked_boundaries(cu_seqlens, total, name))
+    return cu_seqlens if as_int64 is None else as_int64
+
+
+def _checked_boundaries(cu_seqlens: torch.Tensor, total: int, name: str) -> torch.Tensor | None:
+    """The value checks of check_cu_seqlens; returns the int64 copy, or None where it is int64 already
+    (kept by `derived`, the tensor itself would never be released)."""
     values = cu_seqlens.detach().to("cpu", torch.int64)
-    if values[0].item() != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0].item()}")
-    if not bool((values[1:] > values[:-1]).all()):
-        raise ValueError(f"{name} must be strictly increasing (no empty documents), got {values.tolist()}")
-    if values[-1].item() != total:
-        raise ValueError(f"{name} must end at the sequence length {total}, got {values[-1].item()}")
-    return cu_seqlens.to(torch.int64)
+    bounds = values.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must be strictly increasing (no empty documents), got {bounds}")
+    if bounds[-1] != total:
+        raise ValueError(f"{name} must end at the sequence length {total}, got {bounds[-1]}")
+    return None if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
 
 
 def check_same(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, dims=None) -> None:

@@ -67,6 +67,29 @@ def test_bad_cu_seqlens(cu, match):
         call(q, k, v, g, beta, cu_seqlens=torch.tensor(cu))
 
 
+def test_boundaries_are_read_once_per_tensor_and_again_after_an_edit(monkeypatch):
+    """Every layer of a row checks the same cu_seqlens: its values are read once (a device sync per
+    read where they live on a GPU), the int64 copy of int32 boundaries is one tensor for every layer
+    (so that the device copies derived from it are made once too), and an in-place edit, or a bad
+    tensor seen before, is checked again."""
+    from gdn_parallel.ops import validation
+    reads = []
+    original = validation._checked_boundaries
+    monkeypatch.setattr(validation, "_checked_boundaries", lambda *a: reads.append(a) or original(*a))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    first = validation.check_cu_seqlens(cu, 1, 8)
+    assert first.dtype == torch.int64 and first.tolist() == [0, 3, 8]
+    assert all(validation.check_cu_seqlens(cu, 1, 8) is first for _ in range(3)) and len(reads) == 1
+    with pytest.raises(ValueError, match="must end at the sequence length 9"):
+        validation.check_cu_seqlens(cu, 1, 9)      # another length: checked on its own
+    cu[1] = 9                                      # now out of order: the edit is seen
+    for _ in range(2):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            validation.check_cu_seqlens(cu, 1, 8)
+    int64 = torch.tensor([0, 8])
+    assert validation.check_cu_seqlens(int64, 1, 8) is int64
+
+
 def test_float_cu_seqlens():
     q, k, v, g, beta, _ = base()
     with pytest.raises(ValueError, match="cu_seqlens must hold integers"):

@@ -111,7 +111,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_device_copies_of_boundaries_are_made_once_and_follow_edits():
     """Ops keep one device copy of host boundaries per tensor (a copy per layer would sync the GPU)."""
-    from gdn_kernels.host_index import _device_copies, on_device
+    from gdn_kernels.host_index import _derived, on_device
 
     cu = torch.tensor([0, 3, 8])
     first = on_device(cu, "meta")
@@ -121,4 +121,23 @@ def test_device_copies_of_boundaries_are_made_once_and_follow_edits():
     assert on_device(cu, "meta") is not first
     key = id(cu)
     del cu
-    assert key not in _device_copies        # dropped with the host tensor
+    assert key not in _derived              # dropped with the host tensor
+
+
+def test_every_conv_of_a_row_shares_one_document_start_table(monkeypatch):
+    """The per-token document starts are derived once per boundaries tensor, not once per conv call
+    (three convs a GDN layer, each a handful of launches for the same table), and again after an
+    in-place edit of the boundaries."""
+    kernels = pytest.importorskip("gdn_kernels.short_conv")
+    made = []
+    original = kernels._document_starts
+    monkeypatch.setattr(kernels, "_document_starts", lambda *a: made.append(a) or original(*a))
+    monkeypatch.setattr(kernels._CausalConv1d, "apply", lambda x, w, b, p, start, silu: start)
+    x, w = torch.randn(1, 8, 4), torch.randn(4, 3)
+    cu = torch.tensor([0, 3, 8])
+    starts = [kernels.triton_causal_conv1d(x, w, cu_seqlens=cu) for _ in range(3)]
+    assert len(made) == 1 and all(s is starts[0] for s in starts)
+    assert starts[0].tolist() == [0, 0, 0, 3, 3, 3, 3, 3]
+    cu[1] = 5                               # an in-place edit: derived again, from the new values
+    assert kernels.triton_causal_conv1d(x, w, cu_seqlens=cu).tolist() == [0] * 5 + [5] * 3
+    assert len(made) == 2
