@@ -17,6 +17,8 @@
 #   bash tools/gpu_acceptance.sh kda       (KDA's GPU tests, its fla export's, tools/bench_kda.py against fla-core:
 #                                           carry fla-core's wheels in .whl/, see the part below)
 #   bash tools/gpu_acceptance.sh kda_ab    (tools/bench_kda.py of this tree against .bench_baseline's, one GPU)
+#   bash tools/gpu_acceptance.sh host      (tools/bench_host.py, then the trainer at one row a micro-batch under
+#                                           py-spy when its wheel is in .whl/: where the host's time goes)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
 #                                           legs; in 10-minute calls: multi2, then multi4v1, multi4v2, multi4v3
 #                                           and multi4l on 4 GPUs: the 4-GPU verify takes over 10 minutes:
@@ -53,9 +55,9 @@ step() {  # name, seconds, command...
     echo "== $name: exit $? in $((SECONDS - start)) s"
 }
 install_carried_fla() {  # fla-core's wheels carried in .whl/ (the image has no fla-core and reaches no registry)
-    if compgen -G ".whl/*.whl" > /dev/null; then
+    if compgen -G ".whl/fla*.whl" > /dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
-            .whl/*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
+            .whl/fla*.whl && export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
     fi
 }
 parts=${*:-smoke tests bench}
@@ -176,8 +178,11 @@ if [[ " $parts " == *" kda "* ]]; then
     # the tests on the first GPU given (CUDA_VISIBLE_DEVICES, else the machine's), the benchmark on the
     # second: one shape a process, so that fla-core's minutes of autotuning at K = 256 cost only that row
     bench_gpu=${gpus[1]:-${gpus[0]}}
-    CUDA_VISIBLE_DEVICES=${gpus[0]} step kda_tests 560 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        -rf -s tests/kernels/test_kda_triton.py tests/convert/test_fla_kda_gpu.py &
+    # fla's reference errors with one launch configuration a kernel (tools/one_config_autotune): its full
+    # autotuning took the whole call at K = 64 alone (2026-11-29); the benchmark below keeps it
+    CUDA_VISIBLE_DEVICES=${gpus[0]} PYTHONPATH="$PWD/tools/one_config_autotune:$PYTHONPATH" step kda_tests 560 \
+        python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf -s tests/kernels/test_kda_triton.py \
+        tests/convert/test_fla_kda_gpu.py &
     (for shape in 16:128:8:4096 16:64:8:4096 16:256:8:4096; do
         CUDA_VISIBLE_DEVICES=$bench_gpu step "bench_kda_${shape//:/_}" 300 python3 tools/bench_kda.py \
             --shapes "$shape" --out "$out/bench_kda_${shape//:/_}.json"
@@ -185,6 +190,29 @@ if [[ " $parts " == *" kda "* ]]; then
     wait
     tail -12 "$out/kda_tests.log"
     for log in "$out"/bench_kda_*.log; do grep -v '^{' "$log" | tail -6; done
+fi
+# Host time (issue 42): launch baselines and each module's forward host time at one row
+# (tools/bench_host.py), then the trainer at one row a micro-batch (the config's launches, a quarter of
+# its GPU work: the host sets the pace) with py-spy attached when its wheel is carried in .whl/
+# (python3 -m pip download --no-deps -d .whl py-spy), summarized by function.
+if [[ " $parts " == *" host "* ]]; then
+    CUDA_VISIBLE_DEVICES=${gpus[0]} step host 240 python3 tools/bench_host.py --tokens 4096 \
+        --configs configs/h1-1.3b.yaml configs/gdn-1.3b.yaml --out "$out/host.json"
+    head -40 "$out/host.log"
+    CUDA_VISIBLE_DEVICES=${gpus[0]} timeout 200 python3 -m gdn_parallel.train --config configs/h1-1.3b.yaml \
+        --set train.steps=120 --set train.batch_size=2 --set train.microbatch_size=1 --set train.warmup_steps=2 \
+        --set checkpoint.enabled=false --set train.eval_every=0 --set train.out_dir="$out/host_one_row" \
+        > "$out/host_one_row.log" 2>&1 &
+    trainer=$!
+    if compgen -G ".whl/py_spy-*.whl" > /dev/null && python3 -m pip install -q --no-index --no-deps \
+            --no-compile --target /tmp/spy .whl/py_spy-*.whl; then
+        until grep -q "^step 20/" "$out/host_one_row.log" 2>/dev/null || ! kill -0 $trainer 2>/dev/null; do sleep 1; done
+        /tmp/spy/bin/py-spy record --pid $trainer --duration 20 --nonblocking -r 250 --threads -f raw \
+            -o "$out/host_one_row.spy" > "$out/host_spy.log" 2>&1 &&
+            python3 tools/bench_host.py --spy "$out/host_one_row.spy" --out "$out/host_spy.json" | head -30
+    fi
+    wait $trainer
+    grep -E "^step " "$out/host_one_row.log" | tail -8
 fi
 # KDA kernels of this tree against another's (.bench_baseline: git archive of a ref, as for `ab`), one
 # GPU, the same shapes one after the other in one call; fla-core beside ours in this tree's run when
