@@ -27,7 +27,8 @@ def derived(index: torch.Tensor, key, make):
         entry = _derived[id(index)] = (weakref.ref(index, forget), index._version, {})
     values: dict = entry[2]
     if key not in values:
-        values[key] = make()
+        with torch.inference_mode(False):   # a value made in inference mode could not serve training
+            values[key] = make()
     return values[key]
 
 

@@ -52,3 +52,24 @@ def test_chunk_tables_are_aligned(lengths):
     assert aligned(layout.token_dest) and aligned(layout.chunk_rows)
     assert layout.token_dest.numel() == sum(lengths)
     assert layout.chunk_rows[:, 1].sum().item() == sum(lengths)
+
+
+def test_derived_values_are_made_once_per_tensor_and_version_and_serve_training():
+    """host_index.derived: one make() per tensor, key and version; made outside inference mode, so that
+    a value first made by an evaluation under torch.inference_mode can be saved for a backward."""
+    made = []
+    cu = torch.tensor([0, 3, 8])
+
+    def make():
+        made.append(1)
+        return cu.float() * 2
+
+    with torch.inference_mode():
+        first = host_index.derived(cu, "doubled", make)
+    assert not first.is_inference()
+    assert host_index.derived(cu, "doubled", make) is first and len(made) == 1
+    weight = torch.ones(3, requires_grad=True)
+    (weight * first).sum().backward()               # saved for backward: fails on an inference tensor
+    assert weight.grad.tolist() == [0.0, 6.0, 16.0]
+    cu.mul_(1)
+    assert host_index.derived(cu, "doubled", make) is not first and len(made) == 2
