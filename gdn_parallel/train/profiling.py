@@ -101,7 +101,10 @@ class StepProfiler:
         assert self.steps is not None
         self._first = max(step, self.steps[0])
         warm_up = int(step < self._first)
-        self._profile = profile(activities=activities, schedule=schedule(
+        # acc_events changes nothing in one cycle (repeat=1); without it torch 2.11 warns "Profiler clears
+        # events at the end of each cycle" at every profiled run (seen on the GPU image, 2026-11-29;
+        # torch fixed the spurious warning later: pytorch#180387)
+        self._profile = profile(activities=activities, acc_events=True, schedule=schedule(
             wait=0, warmup=warm_up, active=self.steps[1] - self._first + 1, repeat=1))
         self._profile.__enter__()
 
