@@ -119,7 +119,7 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step()  # nothing cold inside the profile
-    _sync(device)
+    sync(device)
     # The profiler's first recorded step pays its start-up: record the second one only. One cycle
     # (repeat=1): with cycles repeating, the profiler clears the recorded step's events when the next
     # cycle begins and key_averages() comes back empty.
@@ -127,7 +127,7 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
         for _ in range(2):
             start = time.perf_counter()
             step()
-            _sync(device)
+            sync(device)
             wall_ms = (time.perf_counter() - start) * 1e3
             prof.step()
     kernels = []
@@ -144,11 +144,6 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
     kernels.sort(key=lambda item: -item[1])
     return {"wall_ms": round(wall_ms, 2), "busy_ms": round(sum(k[1] for k in kernels), 2),
             "top": [{"kernel": name, "ms": round(t, 3), "calls": n} for name, t, n in kernels[:top]]}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def env_info(device: torch.device) -> dict:

@@ -34,36 +34,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from gdn_parallel.config import Config  # noqa: E402
 from gdn_parallel.model import HybridLM  # noqa: E402
+from tools.bench_common import sync  # noqa: E402
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int, device: torch.device) -> float:
     """Host microseconds per call of fn, queued without a sync (wall = host while the GPU keeps up)."""
     for _ in range(min(50, calls)):
         fn()
-    _sync()
+    sync(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - start) / calls * 1e6
-    _sync()
+    sync(device)
     return host
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def launch_baselines(device: torch.device, calls: int) -> dict:
     x = torch.zeros(1024, device=device)
-    rows = {"torch add": per_call_us(lambda: x.add(x), calls),
-            "torch empty": per_call_us(lambda: torch.empty(1024, device=device), calls)}
+    rows = {"torch add": per_call_us(lambda: x.add(x), calls, device),
+            "torch empty": per_call_us(lambda: torch.empty(1024, device=device), calls, device)}
     if device.type == "cuda":
         one, sixteen = _empty_kernels()
         small = [torch.zeros(64, device=device) for _ in range(10)]
-        rows["triton, 1 argument"] = per_call_us(lambda: one[(1,)](x), calls)
+        rows["triton, 1 argument"] = per_call_us(lambda: one[(1,)](x), calls, device)
         rows["triton, 16 arguments"] = per_call_us(
-            lambda: sixteen[(1,)](*small, 4096, 8, 64, 128, 1.0, 0.5, X=4, Y=8), calls)
+            lambda: sixteen[(1,)](*small, 4096, 8, 64, 128, 1.0, 0.5, X=4, Y=8), calls, device)
     return rows
 
 
@@ -121,7 +117,7 @@ def micro_batch_host(model, clock: ModuleClock, tokens: int, iters: int, device)
 
     for _ in range(2):   # compilation and autotuning
         forward().backward()
-    _sync()
+    sync(device)
     clock.reset()
     forward_s = backward_s = 0.0
     for _ in range(iters):
@@ -130,7 +126,7 @@ def micro_batch_host(model, clock: ModuleClock, tokens: int, iters: int, device)
         middle = time.perf_counter()
         loss.backward()
         forward_s, backward_s = forward_s + middle - start, backward_s + time.perf_counter() - middle
-    _sync()
+    sync(device)
     row = {"forward_host_ms": forward_s / iters * 1e3, "backward_host_ms": backward_s / iters * 1e3,
            "module_forward_us": clock.per_call_us(), **work_counts(lambda: forward().backward(), device)}
     model.zero_grad(set_to_none=True)
@@ -145,7 +141,7 @@ def work_counts(step, device) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as recorded:
         step()
-        _sync()
+        sync(device)
     events = recorded.events()
     host = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
     kernels = [e for e in events
