@@ -1,4 +1,6 @@
-"""Device copies of host index tensors (document boundaries), made once per tensor.
+"""Device copies of host index tensors (document boundaries), made once per tensor; whatever else ops
+derive from the boundaries, kept per tensor the same way (`derived`); each token's document
+(`document_ids`).
 
 Torch only: the kernels' wrappers and the PyTorch ops both use it.
 """
@@ -40,6 +42,12 @@ def on_device(index: torch.Tensor, device) -> torch.Tensor:
     if index.device == device:
         return index
     return derived(index, ("on device", device), lambda: copy_to_device(index, device))
+
+
+def document_ids(cu: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The document of each of `tokens` tokens, on the boundaries' device: d with cu[d] <= t < cu[d + 1],
+    found as the number of document ends at or before t."""
+    return torch.searchsorted(cu[1:], torch.arange(tokens, device=cu.device), right=True)
 
 
 def copy_to_device(host: torch.Tensor, device) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_index import derived, on_device
+from .host_index import derived, document_ids, on_device
 from .launch_device import on_tensors_device
 
 __all__ = ["triton_causal_conv1d"]
@@ -317,8 +317,7 @@ class _CausalConv1d(torch.autograd.Function):
 def _document_starts(cu_seqlens: torch.Tensor, tokens: int, device) -> torch.Tensor:
     """The first row of each token's document, int32 [tokens], computed on the device (no host sync)."""
     cu = on_device(cu_seqlens, device).to(torch.int64)
-    pos = torch.arange(tokens, device=device)
-    return cu[torch.searchsorted(cu[1:], pos, right=True)].to(torch.int32)
+    return cu[document_ids(cu, tokens)].to(torch.int32)
 
 
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

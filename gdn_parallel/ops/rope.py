@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from gdn_kernels.host_index import on_device
+from gdn_kernels.host_index import document_ids, on_device
 
 from .triton_dispatch import auto_uses_triton, imported_kernel
 from .validation import check_cu_seqlens
@@ -20,14 +20,14 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=No
     """Index of the document each of the `total` tokens belongs to (int64, on `device`, by default
     cu_seqlens' own). Host boundaries with a GPU `device`: checked on the host, copied once per tensor
     (no device sync)."""
-    return _document_ids(_checked_on(cu_seqlens, total, device), total)
+    return document_ids(_checked_on(cu_seqlens, total, device), total)
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
     """Position of each token inside its own document: 0 at every document start (int64, on `device`
     as in document_ids_from_cu_seqlens)."""
     cu = _checked_on(cu_seqlens, total, device)
-    return torch.arange(total, device=cu.device) - cu[_document_ids(cu, total)]
+    return torch.arange(total, device=cu.device) - cu[document_ids(cu, total)]
 
 
 def _checked_on(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
@@ -35,12 +35,6 @@ def _checked_on(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
     after the copy would read them back from the device."""
     cu = check_cu_seqlens(cu_seqlens, 1, total)
     return cu if device is None else on_device(cu, device)
-
-
-def _document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
-    tokens = torch.arange(total, device=cu.device)
-    # A token belongs to document d iff cu[d] <= t < cu[d+1]: count the document ends <= t.
-    return torch.searchsorted(cu[1:], tokens, right=True)
 
 
 ROPE_IMPLS = ("auto", "torch")

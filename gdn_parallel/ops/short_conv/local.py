@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from gdn_kernels.host_index import on_device
+from gdn_kernels.host_index import document_ids, on_device
 
 from ...config import CONV_IMPLS
 from ..triton_dispatch import auto_uses_triton, check_triton_input, kernel_module
@@ -96,7 +96,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # Packed documents: sum of W shifted copies; the copy shifted by s (token t-s, tap W-1-s) is
     # kept iff t-s is still in t's document, or t is in the first document (which sees the prefix).
     cu = on_device(cu, x.device)
-    doc = torch.searchsorted(cu[1:], torch.arange(T, device=x.device), right=True)
+    doc = document_ids(cu, T)
     pos = torch.arange(T, device=x.device) - cu[doc]
     first_doc = doc == 0
     y = x * weight[:, W - 1]  # s = 0: the token itself, always visible
