@@ -22,7 +22,9 @@ cross-thread reduction per tile) took 54 ms of a gdn-1.3b step on an H100; the t
 registers, written as partial sums and summed by torch: deterministic, no atomics. For W <= 4 the
 first pass keeps one dw accumulator per tap and loads each shifted x tile once, for z and dw alike:
 1.7x faster on an H200 (2048 channels) than one [W, ...] accumulator updated through a select per tap
-with x loaded twice, which wider kernels still use. Arguments are validated by
+with x loaded twice, which wider kernels still use. The weight and bias are read in fp32 whatever
+their dtype: an autocast run passes its fp32 master weights as they are, with no cast per call, and gets
+their gradients in fp32 from the sums. Arguments are validated by
 `gdn_parallel.ops.short_conv.causal_conv1d`; this module trusts them.
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = ["triton_causal_conv1d"]
 # channels is 16 elements per thread at 4 warps; bf16 rows of 64 channels are 128-byte loads.
 BLOCK_T = 32
 BLOCK_D = 64
-# Backward pass 1 (dz, dw, dbias): tokens per program, so dw partial sums are [T / CHUNK_T, W, D] fp32
+# Backward pass 1 (dz, dw, dbias): tokens per program, so dw partial sums are [T / CHUNK_T, D, W] fp32
 # (8 MB at T=64K, D=2K), and its token tile. A thread holds W + 1 accumulator tiles and the W x tiles
 # in registers: at 32 tokens that is about 240 registers (2 programs per SM); 16 tokens (128-170) ran
 # the 2048-channel conv with bias and prefix 1.14x faster on an H200, and as fast without them.
@@ -197,18 +199,20 @@ def _conv_dz_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, dz_ptr, dw_pt
                     xv = _tap(x_ptr, p_ptr, xrow, prow, q, q_ok, lo, i, offs_d, d_ok, D, W, HAS_PREFIX)
                     dw += tl.where(taps[:, None, None] == i, (dz * xv)[None, :, :], 0.0)
 
-    part = b * tl.num_programs(0) + pid_c  # one row of partial sums per (batch, chunk)
+    # One [D, W] block of partial sums per (batch, chunk), in the weight's own layout: their sum over
+    # blocks is the weight's gradient as it is, with no transpose and copy after it.
+    part = b * tl.num_programs(0) + pid_c
     if W <= 4:
-        dw_row = dw_ptr + part * W * D + offs_d  # dw[part, i] is dw_row + i * D
+        dw_row = dw_ptr + part * D * W + offs_d * W  # dw[part, d, i] is dw_row + i
         tl.store(dw_row, tl.sum(dw0, axis=0), mask=d_ok)
         if W > 1:
-            tl.store(dw_row + D, tl.sum(dw1, axis=0), mask=d_ok)
+            tl.store(dw_row + 1, tl.sum(dw1, axis=0), mask=d_ok)
         if W > 2:
-            tl.store(dw_row + 2 * D, tl.sum(dw2, axis=0), mask=d_ok)
+            tl.store(dw_row + 2, tl.sum(dw2, axis=0), mask=d_ok)
         if W > 3:
-            tl.store(dw_row + 3 * D, tl.sum(dw3, axis=0), mask=d_ok)
+            tl.store(dw_row + 3, tl.sum(dw3, axis=0), mask=d_ok)
     else:
-        tl.store(dw_ptr + (part * W + taps[:, None]) * D + offs_d[None, :], tl.sum(dw, axis=1),
+        tl.store(dw_ptr + part * D * W + offs_d[None, :] * W + taps[:, None], tl.sum(dw, axis=1),
                  mask=(taps < W)[:, None] & d_ok[None, :])
     tl.store(db_ptr + part * D + offs_d, tl.sum(db, axis=0), mask=d_ok)
 
@@ -294,7 +298,7 @@ class _CausalConv1d(torch.autograd.Function):
         dx = torch.empty_like(x)
         # dz in dy's dtype: it rounds like dy did (dw and dbias use it unrounded, in registers)
         dz = torch.empty_like(dy) if ctx.silu else dy
-        dw = torch.empty(B * n_chunks, W, D, device=x.device, dtype=torch.float32)
+        dw = torch.empty(B * n_chunks, D, W, device=x.device, dtype=torch.float32)
         db = torch.empty(B * n_chunks, D, device=x.device, dtype=torch.float32)
         # The kernel writes dprefix only when the prefix is read at all (T > 0, W > 1).
         dp = None if prefix is None else (torch.empty_like if T and W > 1 else torch.zeros_like)(prefix)
@@ -309,7 +313,7 @@ class _CausalConv1d(torch.autograd.Function):
                     dz, weight, _or_dummy(start, x), dx, _or_dummy(dp, x), T, D, W=W,
                     P_POW2=triton.next_power_of_2(max(W - 1, 1)), LO=meta["LO"], HAS_CU=meta["HAS_CU"],
                     HAS_PREFIX=meta["HAS_PREFIX"], BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
-        dweight = dw.sum(0).t().contiguous().to(weight.dtype)  # [D, W]
+        dweight = dw.sum(0).to(weight.dtype)  # [D, W]; an fp32 master weight's gradient needs no cast
         dbias = None if bias is None else db.sum(0).to(bias.dtype)
         return dx, dweight, dbias, dp, None, None
 

@@ -66,6 +66,22 @@ def test_matches_torch_fp16(case):
     _compare(CASES[case], torch.float16, 5e-3)
 
 
+def test_float32_master_weights_beside_fp16_x():
+    """An autocast run's fp32 conv weight and bias, passed as they are: the kernels read them unrounded
+    and return their gradients in fp32, as the PyTorch path computes them in fp32."""
+    B, T, D, W, cu = 1, 40, 24, 4, torch.tensor([0, 3, 4, 21, 40], device=device)
+    x, w, b, p = _inputs(B, T, D, W, True, True, torch.float32, seed=3)
+    xh, ph = (t.detach().half().requires_grad_() for t in (x, p))
+    dy = torch.randn(B, T, D, generator=generator(4)).to(device, torch.float16)
+    got = _run("triton", xh, w, b, ph, "silu", cu, dy)
+    ref = _run("torch", xh, w, b, ph, "silu", cu, dy)
+    half, full = torch.float16, torch.float32
+    assert [t.dtype for t in got] == [half, half, full, full, half]
+    for name, a, r, tol in zip(["y", "dx", "dweight", "dbias", "dprefix"], got, ref,
+                               [5e-3, 5e-3, 1e-5, 1e-5, 5e-3]):   # fp32 sums on both sides for dw, db
+        assert rel_err(a, r) < tol, f"{name}: rel err {rel_err(a, r):.2e}"
+
+
 def test_small_tiles_many_programs(monkeypatch):
     """Several token chunks, channel blocks and tiles per chunk, at interpreter-sized shapes."""
     monkeypatch.setattr(sc, "BLOCK_T", 8)

@@ -85,6 +85,28 @@ def test_low_precision_dtype_kept():
         torch.testing.assert_close(y.double(), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_float32_master_weights_beside_half_precision_x(half):
+    """An autocast run passes its fp32 conv weights as they are: the conv is computed in fp32 and y
+    rounded once to x's dtype; the weight's and bias's gradients stay fp32, unrounded."""
+    x, w, b, p = _inputs(1, 9, 4, 4, seed=11, with_prefix=True)
+    xh, ph = (t.detach().to(half).requires_grad_() for t in (x, p))
+    w32, b32 = (t.detach().float().requires_grad_() for t in (w, b))
+    cu = torch.tensor([0, 4, 9])
+    y = causal_conv1d(xh, w32, b32, "silu", cu, ph)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (xh, w32, b32, ph)]
+    ref = causal_conv1d_naive(*ref_leaves[:3], "silu", cu, ref_leaves[3])
+    assert y.dtype == half
+    eps = torch.finfo(half).eps    # rounded once: within one unit in the last place of the exact value
+    assert ((y.double() - ref).abs() <= eps * ref.abs() + 1e-30).all()
+    dy = torch.randn(y.shape, generator=generator(12)).to(half)
+    grads = torch.autograd.grad(y, (xh, w32, b32, ph), dy)
+    grads_ref = torch.autograd.grad(ref, ref_leaves, dy.double())
+    assert [g.dtype for g in grads] == [half, torch.float32, torch.float32, half]
+    for got, want in zip(grads[1:3], grads_ref[1:3]):   # fp32 sums of fp32 products, no rounding to half
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_inputs_name_the_argument():
     x, w, b, p = (t.detach() for t in _inputs(1, 6, 4, 4, seed=0, with_prefix=True))
     with pytest.raises(ValueError, match="x"):
@@ -97,6 +119,10 @@ def test_bad_inputs_name_the_argument():
         causal_conv1d(x, w.float())
     with pytest.raises(ValueError, match="bias"):
         causal_conv1d(x, w, b[:2])
+    with pytest.raises(ValueError, match="weight has dtype torch.float16 but x has torch.float32"):
+        causal_conv1d(x.float(), w.half())       # only half-precision x takes fp32 weights
+    with pytest.raises(ValueError, match="bias has dtype torch.float16 but weight has torch.float32"):
+        causal_conv1d(x.half(), w.float(), b.half())
     with pytest.raises(ValueError, match="prefix"):
         causal_conv1d(x, w, b, prefix=p[:, 1:])
     with pytest.raises(ValueError, match="prefix"):

@@ -47,14 +47,15 @@ def check_conv_args(x, weight, bias, activation, cu_seqlens, prefix):
             or weight.shape[1] < 1):
         raise ValueError(f"weight must be [D, W] = [{D}, W] (squeeze the [D, 1, W] nn.Conv1d weight), "
                          f"got {getattr(weight, 'shape', type(weight).__name__)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight has dtype {weight.dtype} but x has {x.dtype}; cast them to one dtype")
+    _check_parameter_dtype("weight", weight, x)
     W = weight.shape[1]
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (D,):
             raise ValueError(f"bias must be [D] = [{D}], got {getattr(bias, 'shape', type(bias).__name__)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias has dtype {bias.dtype} but x has {x.dtype}; cast them to one dtype")
+        _check_parameter_dtype("bias", bias, x)
+        if bias.dtype != weight.dtype:
+            raise ValueError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}; give both one "
+                             f"dtype")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if prefix is not None:
@@ -66,6 +67,14 @@ def check_conv_args(x, weight, bias, activation, cu_seqlens, prefix):
     return check_cu_seqlens(cu_seqlens, B, T)
 
 
+def _check_parameter_dtype(name: str, param: torch.Tensor, x: torch.Tensor) -> None:
+    """x's dtype, or float32 beside half-precision x: an autocast run's master weight, used unrounded."""
+    master = param.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)
+    if param.dtype != x.dtype and not master:
+        raise ValueError(f"{name} has dtype {param.dtype} but x has {x.dtype}; give it x's dtype "
+                         f"(or float32 with float16/bfloat16 x)")
+
+
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return y if activation is None else F.silu(y)
 
@@ -74,7 +83,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None,
                   prefix: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
     """Vectorised causal depthwise conv on one device: x [B, T, D], weight [D, W] -> y [B, T, D]
-    (x's dtype).
+    (x's dtype). weight and bias in x's dtype, or float32 beside fp16/bf16 x (an autocast run's master
+    weights, passed without a cast per call): then the conv is computed in float32 and y rounded once.
 
     `impl`: "torch" (this file, runs anywhere), "triton" (the fused kernel of gdn_kernels.short_conv)
     or "auto" (triton for CUDA fp16/bf16/fp32 tensors when it imports, torch otherwise).
@@ -82,6 +92,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cu = check_conv_args(x, weight, bias, activation, cu_seqlens, prefix)
     if resolve_impl(impl, x) == "triton":
         return _triton_kernel()(x, weight, bias, activation, cu, prefix)
+    if weight.dtype != x.dtype:   # float32 masters: computed in float32, as the kernel does
+        wide_prefix = None if prefix is None else prefix.to(weight.dtype)
+        y = causal_conv1d(x.to(weight.dtype), weight, bias, activation, cu, wide_prefix, impl="torch")
+        return y.to(x.dtype)
     B, T, D = x.shape
     W = weight.shape[1]
     # Left context of the row: the prefix (halo) or zeros; everything else is masked per document.
@@ -130,4 +144,4 @@ def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                     acc = acc + weight[:, i] * prefix[b, W - 1 + src]
             outs.append(_activate(acc, activation))
         rows.append(torch.stack(outs))
-    return torch.stack(rows)
+    return torch.stack(rows).to(x.dtype)
