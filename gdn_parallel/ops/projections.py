@@ -10,18 +10,23 @@ the same products and no separate additions. The forward is unchanged, one produ
 since the consumers want their inputs as separate contiguous tensors.
 
 Under autocast each weight is cast to the autocast dtype once per call (as autocast would cast it) and
-that copy is saved for the backward. The weights' gradients come back in their own dtype: on CUDA an
-fp32 master weight's gradient is written in fp32 by its product (gdn_kernels.wide_products), with no
-cast pass after it. A single projection takes the same path (`linear`), for that last reason.
+that copy is saved for the backward; inside `weights_cast_once` (the micro-batches of one training step)
+once for all of them. The weights' gradients come back in their own dtype: on CUDA an fp32 master
+weight's gradient is written in fp32 by its product (gdn_kernels.wide_products), with no cast pass after
+it; inside `gradients_accumulated_in_place` a weight that already holds a gradient gets this call's
+added to it by the product itself. A single projection takes the same path (`linear`), for its weight's
+gradient.
 `project_reference` is the oracle: the projections called one by one through autograd.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import cast
 
 import torch
 import torch.nn.functional as F
-from gdn_kernels.wide_products import product_in
+from gdn_kernels.wide_products import add_product_, product_in
 from torch import nn
 
 
@@ -46,6 +51,71 @@ def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
     return list(_SharedInputLinears.apply(x.to(dtype), dtype, *masters))
 
 
+# master weight id -> (master, its copy in a compute dtype), while weights_cast_once is entered
+_shared_casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@contextlib.contextmanager
+def weights_cast_once() -> Iterator[None]:
+    """Inside, `project` casts each master weight to a compute dtype once and every later call reuses
+    that copy: for the micro-batches of one training step, whose weights do not change between them.
+    Each cast is a launch and a pass over the weight per projection and micro-batch (a fifth of a
+    GDN-H1 layer's launches): where the host sets the pace of a step, fewer of them is time. The copies
+    live until the exit; without activation checkpointing each is saved for the backward of every
+    micro-batch anyway, so the peak does not grow."""
+    global _shared_casts
+    outer = _shared_casts
+    _shared_casts = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared_casts = outer
+
+
+# whether gradients_accumulated_in_place is entered
+_accumulating_in_place = False
+
+
+@contextlib.contextmanager
+def gradients_accumulated_in_place() -> Iterator[None]:
+    """Inside, a weight whose `.grad` already holds an earlier micro-batch's gradient (same shape and
+    dtype, contiguous) gets this one's added into it by the product (addmm, fp32 out of bf16 factors on
+    CUDA), and autograd is handed no gradient for it: no accumulation pass after the product (a launch
+    and a read, add and write of the fp32 gradient per weight and micro-batch). Only where nothing
+    watches gradients arrive: DDP and FSDP2 reduce from hooks on autograd's accumulation."""
+    global _accumulating_in_place
+    outer = _accumulating_in_place
+    _accumulating_in_place = True
+    try:
+        yield
+    finally:
+        _accumulating_in_place = outer
+
+
+def weight_gradient(master: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b, the gradient of `master`, for an autograd Function's backward to return: a new tensor
+    in master's dtype, or None once added into master.grad (inside gradients_accumulated_in_place)."""
+    held = master.grad
+    if (_accumulating_in_place and held is not None and held.dtype == master.dtype
+            and held.shape == master.shape and held.is_contiguous() and not held.requires_grad):
+        add_product_(held, a, b)
+        return None
+    return product_in(a, b, master.dtype)
+
+
+def in_compute_dtype(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """master in `dtype`: itself, the copy shared inside weights_cast_once, or a new copy. Data only,
+    for an autograd Function's forward that returns the master's gradient itself."""
+    if master.dtype == dtype:
+        return master
+    if _shared_casts is None:
+        return master.to(dtype)
+    entry = _shared_casts.get((id(master), dtype))
+    if entry is None or entry[0] is not master:
+        entry = _shared_casts[(id(master), dtype)] = (master, master.to(dtype))
+    return entry[1]
+
+
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for one projection, through `project` (its weight's gradient in the weight's dtype
     straight from the product)."""
@@ -68,9 +138,9 @@ class _SharedInputLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dtype, *masters):
         ctx.set_materialize_grads(False)  # an unused output sends no gradient: its products are skipped
-        weights = [w.to(dtype) for w in masters]  # the masters themselves where the dtypes match
+        weights = [in_compute_dtype(w, dtype) for w in masters]  # the masters themselves where they match
         ctx.save_for_backward(x, *weights)
-        ctx.master_dtypes = [w.dtype for w in masters]
+        ctx.masters = masters   # parameters, alive anyway: their gradients may be added in place
         return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
@@ -87,5 +157,5 @@ class _SharedInputLinears(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = grad_rows @ weight if dx is None else dx.addmm_(grad_rows, weight)
             wanted = ctx.needs_input_grad[2 + i]
-            dweights.append(product_in(grad_rows.t(), x_rows, ctx.master_dtypes[i]) if wanted else None)
+            dweights.append(weight_gradient(ctx.masters[i], grad_rows.t(), x_rows) if wanted else None)
         return (None if dx is None else dx.view(x.shape)), None, *dweights

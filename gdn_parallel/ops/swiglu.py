@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from gdn_kernels.wide_products import product_in
 
+from .projections import in_compute_dtype, weight_gradient
 from .triton_dispatch import auto_uses_triton, imported_kernel
 
 
@@ -64,9 +64,9 @@ def _silu_mul_backward(dp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight):
-        w16 = weight.to(gate.dtype)  # the weight itself when the dtypes match
+        w16 = in_compute_dtype(weight, gate.dtype)  # the weight itself when the dtypes match
         ctx.save_for_backward(gate, up, w16)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight = weight   # a parameter: its gradient may be added in place (weight_gradient)
         return F.linear(_silu_mul(gate, up), w16)
 
     @staticmethod
@@ -79,6 +79,6 @@ class _SwiGLUDown(torch.autograd.Function):
         dweight = None
         if wants_dweight:
             p = product[0]
-            dweight = product_in(dout.reshape(-1, dout.shape[-1]).t(), p.reshape(-1, p.shape[-1]),
-                                 ctx.weight_dtype)
+            rows = dout.reshape(-1, dout.shape[-1]).t(), p.reshape(-1, p.shape[-1])
+            dweight = weight_gradient(ctx.weight, *rows)
         return dgate, dup, dweight

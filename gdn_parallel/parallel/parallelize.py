@@ -22,6 +22,7 @@ from torch import nn
 from ..comm import sends_finished
 from ..config import ParallelConfig
 from ..model import HybridLM, check_layers
+from ..ops.projections import gradients_accumulated_in_place, weights_cast_once
 from .batch import all_reduce_gradients, label_count, shard_batch
 from .checkpointing import apply_activation_checkpointing
 from .data_parallel import apply_data_parallel, clip_grad_norm, global_label_count, global_label_normalizer
@@ -38,6 +39,10 @@ class ParallelModel:
     dims: ParallelDims
     config: ParallelConfig
     runner: PipelineRunner | None = None  # when pp > 1
+    # a step's micro-batches share each weight's compute-dtype copy (ops.projections.weights_cast_once)
+    share_weight_casts: bool = False
+    # later micro-batches' weight gradients added in place (ops.projections.gradients_accumulated_in_place)
+    accumulate_grads_in_place: bool = False
 
     # ------------------------------------------------------------------ what the trainer drives
     def parameters(self) -> list[nn.Parameter]:
@@ -65,7 +70,8 @@ class ParallelModel:
         microbatches = [self._shard(row) for row in rows]
         # The messages of a step's context parallelism live as long as the step.
         plans = [getattr(mb, "context", None) for mb in microbatches]
-        with sends_finished(plans), _autocast(autocast_dtype, rows[0].input_ids.device):
+        with sends_finished(plans), _autocast(autocast_dtype, rows[0].input_ids.device), \
+                self._microbatches_of_one_step(len(microbatches)):
             if self.runner is not None:
                 loss = self.runner.step(microbatches, label_normalizer=normalizer)
             else:
@@ -140,6 +146,16 @@ class ParallelModel:
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
+    def _microbatches_of_one_step(self, count: int) -> contextlib.ExitStack:
+        """What the micro-batches of one step share: each weight's cast, and the weight gradients
+        added in place after the first (each where this layout allows it: parallelize)."""
+        stack = contextlib.ExitStack()
+        if count > 1 and self.share_weight_casts:
+            stack.enter_context(weights_cast_once())
+        if count > 1 and self.accumulate_grads_in_place:
+            stack.enter_context(gradients_accumulated_in_place())
+        return stack
+
     def _gradient_sync(self, last: bool):
         """Reduce gradients only with the last microbatch (DDP no_sync / FSDP2 sync switch); FSDP2 kept
         gathered (parallel.fsdp_reshard_after_forward=false) reshards only after the last one's backward,
@@ -205,13 +221,29 @@ def parallelize(model: HybridLM, dims: ParallelDims, config: ParallelConfig | No
                 apply_data_parallel(stage, dims, config, param_dtype)
     elif config.dp * config.cp > 1:
         train_module = apply_data_parallel(model, dims, config, param_dtype)
-    return ParallelModel(model, train_module, dims, config, runner)
+    return ParallelModel(model, train_module, dims, config, runner,
+                         **step_sharing(config, activation_checkpointing, wrapped=train_module is not model))
+
+
+def step_sharing(config: ParallelConfig, activation_checkpointing: str, wrapped: bool) -> dict[str, bool]:
+    """ParallelModel's share_weight_casts and accumulate_grads_in_place for this layout (`wrapped`: the
+    model runs inside a DDP or FSDP2 wrapper).
+
+    Shared copies stay alive for the whole step: free where every block saves its weights' copies for
+    the backward anyway (no checkpointing), and where FSDP2 does not shard them (it gathers them in the
+    compute dtype itself, and shared copies of gathered weights would undo its sharding). Gradients
+    added in place bypass autograd's accumulation, from whose hooks DDP and FSDP2 reduce: only where
+    neither wraps the model (pipeline stages under DDP are reduced after the step)."""
+    fsdp = config.data_parallel == "fsdp" and config.dp * config.cp > 1
+    return {"share_weight_casts": activation_checkpointing == "none" and not fsdp,
+            "accumulate_grads_in_place": not fsdp and not wrapped}
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device):
     """Autocast without its weight-cast cache: the cache outlives a microbatch, and under FSDP2 a
     cached cast would tie the next microbatch's backward to parameters already resharded, which
-    silently loses gradient."""
+    silently loses gradient. (weights_cast_once's copies carry no autograd history: each call's
+    gradient goes to the weight it was given.)"""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype, cache_enabled=False)

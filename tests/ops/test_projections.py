@@ -1,6 +1,8 @@
 """project (several projections of one input, dx summed in the products) against its oracle, the
 projections called one by one through autograd: outputs and every gradient, float64 and under
 autocast; unused outputs, frozen weights and the modules it leaves to themselves."""
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -126,3 +128,53 @@ def test_what_it_leaves_to_the_modules(case, monkeypatch):
         return
     for got, want in zip(project(x, *linears), project_reference(x, *linears)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+def _two_microbatches(linears, down_weight, shared: bool):
+    """Two micro-batches through project and swiglu_down under CPU autocast: (outputs and gradients,
+    the casts counted)."""
+    from gdn_parallel.ops.swiglu import swiglu_down
+    for p in (*[m.weight for m in linears], down_weight):
+        p.grad = None
+    gen, outs, counter = generator(5), [], _CastCounter()
+    scope = projections.weights_cast_once() if shared else contextlib.nullcontext()
+    with scope, torch.autocast("cpu", dtype=torch.bfloat16), counter:
+        for _ in range(2):
+            x = torch.randn(3, 6, 32, generator=gen)
+            gate, up = project(x, *linears)
+            out = swiglu_down(gate, up, down_weight)
+            out.float().square().sum().backward()
+            outs.append(out.detach())
+    grads = [m.weight.grad.clone() for m in linears] + [down_weight.grad.clone()]
+    return outs + grads, counter.casts
+
+
+def test_a_steps_microbatches_share_each_weights_cast():
+    """Inside weights_cast_once each fp32 master is cast to bf16 once for both micro-batches (not once
+    per micro-batch), with the same outputs and gradients, which reach the masters themselves; on exit
+    the copies are dropped, so the next step casts the updated weights."""
+    linears = _linears((16, 16), 32, torch.float32)
+    down = nn.Parameter(torch.randn(8, 16, generator=generator(6)))
+    alone, casts_alone = _two_microbatches(linears, down, shared=False)
+    shared, casts_shared = _two_microbatches(linears, down, shared=True)
+    for a, b in zip(alone, shared):
+        assert torch.equal(a, b)
+    weight_casts = 3                              # two projections and the down projection
+    assert casts_alone - casts_shared == weight_casts
+    assert all(g.dtype == torch.float32 for g in shared[2:])
+    assert projections._shared_casts is None
+    with torch.no_grad():                         # an optimizer step between two steps
+        linears[0].weight.mul_(2.0)
+    after, _ = _two_microbatches(linears, down, shared=True)
+    assert not torch.equal(after[0], shared[0])   # the new weight, not a copy of the old one
+

@@ -1,5 +1,6 @@
 """Gradient accumulation (train.microbatch_size): a batch split into micro-batches trains exactly as
 the whole batch does (CPU, fp32): per-step losses and the parameters after the steps."""
+import collections
 import copy
 
 import pytest
@@ -74,3 +75,76 @@ def test_microbatch_size_must_divide_the_batch():
         TrainConfig(batch_size=8, microbatch_size=3).validate()
     with pytest.raises(ConfigError, match="train.microbatch_size"):
         TrainConfig(microbatch_size=-1).validate()
+
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many times each aten operator ran."""
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_of_two(whole, group, autocast_dtype=None, **flags):
+    """One train_step of two micro-batches with these ParallelModel sharing flags: (the gradients,
+    the operators counted)."""
+    parallel = parallelize(copy.deepcopy(whole), group)
+    for name, value in flags.items():
+        setattr(parallel, name, value)
+    batches = packed_batches(_documents(30, seed=1), 16, 2, seed=2)
+    with _OpCounter() as counter:
+        parallel.train_step([next(batches) for _ in range(2)], autocast_dtype=autocast_dtype)
+    return {name: p.grad for name, p in parallel.model.named_parameters()}, counter.calls
+
+
+def test_a_steps_microbatches_share_weight_casts(group_of_one):
+    """Under autocast the micro-batches of a step share each weight's bf16 copy: one cast a weight a
+    step, not one a micro-batch, and bit-identical gradients."""
+    seed_torch(0)
+    whole = HybridLM(model_config())
+    alone, calls_alone = _step_of_two(whole, group_of_one, torch.bfloat16, share_weight_casts=False,
+                                      accumulate_grads_in_place=False)
+    shared, calls_shared = _step_of_two(whole, group_of_one, torch.bfloat16, share_weight_casts=True,
+                                        accumulate_grads_in_place=False)
+    for name, grad in shared.items():
+        assert torch.equal(grad, alone[name]), name
+    casts = torch.ops.aten._to_copy.default
+    projections = sum(isinstance(m, torch.nn.Linear) for m in whole.modules()) - 1   # not the lm_head
+    assert calls_alone[casts] - calls_shared[casts] == projections
+    # what parallelize decides for this layout (step_sharing)
+    assert parallelize(copy.deepcopy(whole), group_of_one).share_weight_casts
+    recomputed = parallelize(copy.deepcopy(whole), group_of_one, activation_checkpointing="full")
+    assert not recomputed.share_weight_casts
+
+
+def test_later_microbatches_add_weight_gradients_in_place(group_of_one):
+    """After the first micro-batch each projection's weight gradient is added into .grad by its
+    product, with no accumulation pass of autograd's after it; the same sums to rounding."""
+    seed_torch(0)
+    whole = HybridLM(model_config())
+    apart, calls_apart = _step_of_two(whole, group_of_one, accumulate_grads_in_place=False)
+    in_place, calls_in_place = _step_of_two(whole, group_of_one, accumulate_grads_in_place=True)
+    assert_close_set(in_place, apart, 1e-6, "gradients added in place")
+    projections = sum(isinstance(m, torch.nn.Linear) for m in whole.modules()) - 1
+    accumulations = torch.ops.aten.add_.Tensor
+    assert calls_apart[accumulations] - calls_in_place[accumulations] == projections
+
+
+def test_which_layouts_share_what_across_micro_batches():
+    from gdn_parallel.parallel.parallelize import step_sharing
+    plain = step_sharing(ParallelConfig(), "none", wrapped=False)
+    assert plain == {"share_weight_casts": True, "accumulate_grads_in_place": True}
+    # checkpointing: a shared copy would outlive each recomputed block
+    assert step_sharing(ParallelConfig(), "full", wrapped=False)["share_weight_casts"] is False
+    # FSDP2 gathers its weights in the compute dtype and reduces from accumulation hooks; DDP too
+    fsdp = step_sharing(ParallelConfig(dp=2), "none", wrapped=True)
+    assert fsdp == {"share_weight_casts": False, "accumulate_grads_in_place": False}
+    ddp = step_sharing(ParallelConfig(dp=2, data_parallel="ddp"), "none", wrapped=True)
+    assert ddp == {"share_weight_casts": True, "accumulate_grads_in_place": False}
+    # pipeline stages under DDP run unwrapped, their gradients reduced after the step
+    staged = step_sharing(ParallelConfig(dp=2, pp=2, data_parallel="ddp"), "none", wrapped=False)
+    assert staged["accumulate_grads_in_place"] is True
