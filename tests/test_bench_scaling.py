@@ -24,6 +24,25 @@ def test_each_dimension_keeps_each_gpus_work():
         assert at_two["parallel.cp_algorithm"] == algorithm
         assert at_two["train.activation_checkpointing"] == "full"
     assert _settings("tp", 2) == {"parallel.tp": "2"}
+    # tp-whole-batch: the batch's 8 rows in one micro-batch from tp 2 on, its one-GPU run tp's own
+    assert _settings("tp-whole-batch", 2) == {"parallel.tp": "2", "train.microbatch_size": "8"}
+    assert _settings("tp-whole-batch", 1) == _settings("tp", 1)
+    assert bench_scaling.DIMENSIONS["tp-whole-batch"].baseline == "tp"
+
+
+def test_a_dimension_with_a_baseline_shares_its_one_gpu_run():
+    tp, whole = bench_scaling.DIMENSIONS["tp"], bench_scaling.DIMENSIONS["tp-whole-batch"]
+    assert not bench_scaling._baseline_measured(whole, [])        # asked alone: it runs its own
+    assert bench_scaling._baseline_measured(whole, [{"dimension": "tp", "gpus": 1}])
+    assert not bench_scaling._baseline_measured(tp, [{"dimension": "tp", "gpus": 1}])
+    rows = [{"dimension": "tp", "gpus": 1, "tokens_per_s": 50.0},
+            {"dimension": "tp-whole-batch", "gpus": 2, "tokens_per_s": 90.0, "baseline": "tp"}]
+    bench_scaling.efficiencies(rows)
+    assert rows[1]["efficiency"] == 0.9
+    alone = [{"dimension": "tp-whole-batch", "gpus": n, "tokens_per_s": s, "baseline": "tp"}
+             for n, s in ((1, 40.0), (2, 60.0))]
+    bench_scaling.efficiencies(alone)
+    assert [r["efficiency"] for r in alone] == [1.0, 0.75]
 
 
 def test_efficiency_is_per_gpu_against_the_dimensions_one_gpu_run():

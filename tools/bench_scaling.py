@@ -20,6 +20,10 @@ issue defines it:
     cp            h1-1.3b, full checkpointing, 64K tokens a rank: one row of 64K * n tokens over cp = n
     cp-allgather  the same with parallel.cp_algorithm=allgather
     tp            h1-1.3b, the config's batch over tp = n (the same batch: strong scaling per replica)
+    tp-whole-batch the same, with the batch's 8 rows in one micro-batch at tp >= 2: with half of each
+                  row's work a GPU, micro-batches of 4 leave the host setting the pace (docs/benchmarks.md,
+                  "Host time"); 8 rows halve the launches per token. Its one-GPU baseline is tp's (the
+                  config's micro-batches of 4: 8 rows at once need more memory than an H100 has)
 A run's loss must fall (first to last logged loss); a failed or non-falling run is said in its row.
 Prints the table, writes JSON (`--out`/scaling.json) and a plot (scaling.png, where matplotlib is).
 """
@@ -50,6 +54,7 @@ class Dimension:
     config: str
     settings: object    # n -> list of "section.field=value"
     meaning: str
+    baseline: str | None = None   # the dimension whose one-GPU run is this one's (run once per call)
 
 
 def _dp(n: int, batch: int = 8, micro: int = 4) -> list[str]:
@@ -74,6 +79,9 @@ DIMENSIONS = {
     "cp-allgather": Dimension("cp-allgather", "configs/h1-1.3b.yaml",
                               lambda n: _cp(n, algorithm="allgather"), "summary all-gather, as cp"),
     "tp": Dimension("tp", "configs/h1-1.3b.yaml", _tp, "the config's batch over tp ranks"),
+    "tp-whole-batch": Dimension("tp-whole-batch", "configs/h1-1.3b.yaml",
+                                lambda n: _tp(n) + (["train.microbatch_size=8"] if n > 1 else []),
+                                "as tp, the 8 rows in one micro-batch at tp >= 2", baseline="tp"),
 }
 # The smoke run: the same dimensions at the tiny config's scale on CPU gloo (2 processes at most).
 SMOKE = {
@@ -108,7 +116,8 @@ def measure_row(dim: Dimension, n: int, args, extra_sets: list[str]) -> dict:
         except subprocess.TimeoutExpired:   # torchrun's workers too (sessions of their own), or the next row
             stop_job(job)                    # would share the GPUs with them
             status = "timeout"
-    row = {"dimension": dim.name, "gpus": n, "config": dim.config, "command": " ".join(command),
+    row = {"dimension": dim.name, "gpus": n, "config": dim.config, "baseline": dim.baseline,
+           "command": " ".join(command),
            "status": status, "wall_s": round(time.perf_counter() - start, 1), "log": log.name}
     row.update(_speed(out_dir / "metrics.jsonl", args.skip))
     return row
@@ -140,10 +149,10 @@ def _speed(metrics: Path, skip: int) -> dict:
 
 
 def efficiencies(rows: list[dict]) -> None:
-    """Each row's tokens/s per GPU over its dimension's one-GPU tokens/s (in place)."""
+    """Each row's tokens/s per GPU over its dimension's (or its baseline's) one-GPU tokens/s (in place)."""
     one = {r["dimension"]: r["tokens_per_s"] for r in rows if r["gpus"] == 1 and r["tokens_per_s"]}
     for row in rows:
-        base, speed = one.get(row["dimension"]), row["tokens_per_s"]
+        base, speed = one.get(row["dimension"]) or one.get(row.get("baseline")), row["tokens_per_s"]
         row["tokens_per_s_per_gpu"] = speed / row["gpus"] if speed else None
         row["efficiency"] = speed / row["gpus"] / base if speed and base else None
 
@@ -242,6 +251,8 @@ def main(argv=None) -> int:
     rows, start = [], time.monotonic()
     for name in names:
         for n in sizes:
+            if n == 1 and _baseline_measured(table_of[name], rows):
+                continue
             if args.budget_s is not None and time.monotonic() - start > args.budget_s:
                 rows.append({"dimension": name, "gpus": n, "config": table_of[name].config,
                              "status": f"not run: --budget-s {args.budget_s:g} spent", "tokens_per_s": None})
@@ -257,6 +268,11 @@ def main(argv=None) -> int:
         print(no_plot)
     failed = [r for r in rows if r["status"] != 0 or r["tokens_per_s"] is None or not r["loss_fell"]]
     return 1 if failed else 0
+
+
+def _baseline_measured(dim: Dimension, rows: list[dict]) -> bool:
+    """Whether this call already ran the one-GPU row that `dim` shares with its baseline dimension."""
+    return dim.baseline is not None and any(r["dimension"] == dim.baseline and r["gpus"] == 1 for r in rows)
 
 
 def write_report(rows: list[dict], args, table_of: dict, names: list[str]) -> dict:
