@@ -25,6 +25,9 @@ def test_work_counts_are_the_same_for_the_same_call():
     first = bench_host.work_counts(step, torch.device("cpu"))
     assert first == bench_host.work_counts(step, torch.device("cpu"))
     assert first["kernels"] == 0 and first["aten_ops"] >= 2     # mul and sum at least, and their backward
+    assert first["launch_calls"] == 0
+    assert sum(c.get("aten_ops", 0) for c in first["by_place"].values()) == first["aten_ops"]
+    assert "backward: MulBackward0" in first["by_place"]         # the backward's, by autograd node
 
 
 def test_spy_summary_counts_each_function_once_per_stack(tmp_path):
@@ -46,8 +49,13 @@ def test_smoke_times_every_module_of_the_tiny_config(tmp_path, capsys):
     report = json.loads((tmp_path / "host.json").read_text())
     (row,) = report["configs"]["configs/tiny-cpu.yaml"].values()
     assert row["forward_host_ms"] > 0 and row["backward_host_ms"] > 0
-    assert row["aten_ops"] > 100 and row["kernels"] == 0        # no GPU: operators only
+    assert row["step_aten_ops"] > 100 and row["step_kernels"] == 0 and row["step_launch_calls"] == 0
     assert {"HybridLM", "GatedDeltaNet", "Attention", "ShortConvolution"} <= set(row["module_forward_us"])
+    # the step's operators by where they come from: the innermost module, or the backward's nodes
+    places = row["step_by_place"]
+    assert {"GatedDeltaNet", "ShortConvolution", "Attention"} <= set(places)
+    assert any(place.startswith("backward: ") for place in places)
+    assert sum(c.get("aten_ops", 0) for c in places.values()) == row["step_aten_ops"]
     assert report["launch_us"]["torch add"] > 0
     assert "| GatedDeltaNet |" in capsys.readouterr().out
 

@@ -11,8 +11,12 @@ host of a shared machine varies by tens of percent between runs):
 - launch baselines: a torch op, torch.empty, an empty Triton kernel with 1 and with 16 arguments;
 - per config and row length: one micro-batch's forward and backward host milliseconds (autocast
   bf16 on CUDA, as the trainer runs), each module class's forward host microseconds per call
-  (forward hooks: a class's time includes its children's), and the aten operators and GPU kernels
-  of one micro-batch (counted: an A/B of host-side changes that the host's noise cannot blur);
+  (forward hooks: a class's time includes its children's), and the aten operators, launch calls and
+  GPU kernels of a training step of two micro-batches as the trainer runs it on one GPU (gradients
+  unset first; the weight casts shared and the second's weight gradients added in place, as
+  ParallelModel.train_step does), in all and by where they come from: the innermost module whose
+  forward holds them, or the autograd node whose backward does (counted: an A/B of host-side changes
+  that the host's noise cannot blur);
 - with --spy: the share of samples inside each function of ours and Triton's, from
   `py-spy record --nonblocking --threads -f raw -o run.spy --pid <trainer>` (the blocking default
   pauses the process at every sample, which a timeline then shows as gaps).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import statistics
@@ -34,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from gdn_parallel.config import Config  # noqa: E402
 from gdn_parallel.model import HybridLM  # noqa: E402
+from gdn_parallel.ops.projections import gradients_accumulated_in_place, weights_cast_once  # noqa: E402
 from tools.bench_common import sync  # noqa: E402
 
 
@@ -127,26 +133,85 @@ def micro_batch_host(model, clock: ModuleClock, tokens: int, iters: int, device)
         loss.backward()
         forward_s, backward_s = forward_s + middle - start, backward_s + time.perf_counter() - middle
     sync(device)
+    def training_step():   # two micro-batches, as ParallelModel.train_step runs them on one GPU
+        model.zero_grad(set_to_none=True)
+        with weights_cast_once(), gradients_accumulated_in_place():
+            for _ in range(2):
+                forward().backward()
+
+    with module_ranges(model):
+        counts = work_counts(training_step, device)
     row = {"forward_host_ms": forward_s / iters * 1e3, "backward_host_ms": backward_s / iters * 1e3,
-           "module_forward_us": clock.per_call_us(), **work_counts(lambda: forward().backward(), device)}
+           "module_forward_us": clock.per_call_us()}
+    row.update({f"step_{key}": value for key, value in counts.items()})
     model.zero_grad(set_to_none=True)
     return row
 
 
+MODULE_RANGE = "module: "   # the profiler ranges of module_ranges
+BACKWARD_NODE = "autograd::engine::evaluate_function: "   # torch.profiler's range of an autograd node
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+@contextlib.contextmanager
+def module_ranges(model: torch.nn.Module):
+    """Inside, each module's forward runs in a profiler range named after its class (work_counts
+    attributes operators to the innermost one)."""
+    from torch.profiler import record_function
+    handles, open_ranges = [], []
+
+    def enter(module, _args) -> None:
+        open_ranges.append(record_function(MODULE_RANGE + type(module).__name__))
+        open_ranges[-1].__enter__()
+
+    def leave(_module, _args, _out) -> None:
+        open_ranges.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def work_counts(step, device) -> dict:
-    """aten operators (nested ones too: each is dispatched by the host) and GPU kernels of one call of
-    step, from torch.profiler: an A/B of host-side changes that no host's noise blurs."""
+    """aten operators (nested ones too: each is dispatched by the host), kernel launch calls and GPU
+    kernels of one call of step, from torch.profiler: an A/B of host-side changes that no host's noise
+    blurs. `by_place`: the operators and launch calls under each module range (module_ranges) or,
+    in the backward, each autograd node ("backward: <node>")."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as recorded:
+    with profile(activities=activities, acc_events=True) as recorded:
         step()
         sync(device)
     events = recorded.events()
-    host = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
     kernels = [e for e in events
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
-    return {"aten_ops": len(host), "kernels": len(kernels)}
+    by_place: dict = collections.defaultdict(collections.Counter)
+    for event in host:
+        kind = "aten_ops" if event.name.startswith("aten::") else (
+            "launch_calls" if event.name in LAUNCH_CALLS else None)
+        if kind is not None:
+            by_place[_place(event)][kind] += 1
+    totals = {kind: sum(c[kind] for c in by_place.values()) for kind in ("aten_ops", "launch_calls")}
+    ranked = sorted(by_place.items(), key=lambda item: -item[1]["launch_calls"] - item[1]["aten_ops"])
+    return {**totals, "kernels": len(kernels), "by_place": {place: dict(c) for place, c in ranked}}
+
+
+def _place(event) -> str:
+    """The innermost module range or autograd node above a profiler event, or "other"."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(MODULE_RANGE):
+            return parent.name[len(MODULE_RANGE):]
+        if parent.name.startswith(BACKWARD_NODE):
+            return "backward: " + parent.name[len(BACKWARD_NODE):]
+        parent = parent.cpu_parent
+    return "other"
 
 
 def median_rows(rounds: list[dict]) -> dict:
@@ -200,11 +265,16 @@ def table(report: dict) -> str:
     for path, by_tokens in report.get("configs", {}).items():
         for tokens, row in by_tokens.items():
             lines += ["", f"{path}, one row of {tokens} tokens: forward {row['forward_host_ms']:.1f} ms, "
-                          f"backward {row['backward_host_ms']:.1f} ms of host time; "
-                          f"{row['aten_ops']:.0f} aten operators, {row['kernels']:.0f} GPU kernels", "",
-                      "| module | forward host µs per call |", "|---|---|"]
+                          f"backward {row['backward_host_ms']:.1f} ms of host time; a step of two "
+                          f"micro-batches: {row['step_aten_ops']:.0f} aten operators, "
+                          f"{row['step_launch_calls']:.0f} launch calls, "
+                          f"{row['step_kernels']:.0f} GPU kernels",
+                      "", "| module | forward host µs per call |", "|---|---|"]
             by_time = sorted(row["module_forward_us"].items(), key=lambda item: -item[1])
             lines += [f"| {name} | {us:.0f} |" for name, us in by_time]
+            lines += ["", "| where (a step) | aten operators | launch calls |", "|---|---|---|"]
+            lines += [f"| {place} | {c.get('aten_ops', 0):.0f} | {c.get('launch_calls', 0):.0f} |"
+                      for place, c in list(row["step_by_place"].items())[:15]]
     if "spy" in report:
         lines += ["", "| function (py-spy) | share of samples |", "|---|---|"]
         lines += [f"| {row['function']} | {row['share']:.1%} |" for row in report["spy"]["functions"]]
