@@ -5,10 +5,11 @@ swept, in one run.
     python tools/bench_block_kernels.py --out $OUT/bench_block_kernels.json [--baseline OLD_MODULE.py]
 
 Shapes are gdn-1.3b's at a micro-batch of 4 x 4096 tokens: the q/k conv (1024 channels) and the v conv
-(2048), bf16 with SiLU and four documents per row; the pre-norm RMSNorm over the fp32 residual stream
-(hidden 2048, bf16 output) and the gated output norm (rows of one head, 256 values, bf16); the rotary
-embedding of h1-1.3b's queries (16 heads of 128) at positions from 0 and near the end of a 1M-token
-sequence, whose ratio shows what the angle's range reduction costs there. Each case is
+(2048), bf16 with SiLU and four documents per row, each with a bf16 and with an fp32 weight; the
+pre-norm RMSNorm over the fp32 residual stream (hidden 2048, bf16 output) and the gated output norm
+(rows of one head, 256 values, bf16); the rotary embedding of h1-1.3b's queries (16 heads of 128) at
+positions from 0 and near the end of a 1M-token sequence, whose ratio shows what the angle's range
+reduction costs there. Each case is
 first checked against the PyTorch path in fp32 on the same rounded inputs (output and every gradient),
 then timed (median of --iters after --warmup, CUDA events). GB/s counts each tensor the op must read
 or write once (inputs, outputs and gradients); the H100's HBM3 moves about 3.35 TB/s.
@@ -108,16 +109,20 @@ def check(fn, reference, inputs, grad_out, tol) -> dict:
 
 
 def conv_cases(args, device):
+    """Each shape with a bf16 weight and with the fp32 master weight the model passes under autocast
+    (since 2026-11-29; the kernels read either in fp32)."""
     B, T = args.batch, args.tokens
     cu = torch.tensor([0, T // 8, T // 2, T // 2 + 3, T], device=device)  # packed rows need B = 1
     for D in (1024, 2048):
         gen = torch.Generator(device=device).manual_seed(D)
         x = torch.randn(1, B * T, D, device=device, generator=gen).bfloat16().requires_grad_()
-        w = (torch.randn(D, 4, device=device, generator=gen) * 0.5).bfloat16().requires_grad_()
+        w32 = torch.randn(D, 4, device=device, generator=gen) * 0.5
         dy = torch.randn(1, B * T, D, device=device, generator=gen).bfloat16()
         cu_all = torch.cat([cu[:-1] + r * T for r in range(B)] + [cu[-1:] + (B - 1) * T])
-        # x, dy, dx, y once each (bf16)
-        yield f"conv D={D}", (x, w, None, "silu", cu_all), dy, 4 * x.numel() * 2
+        for name, w in (("bf16", w32.bfloat16()), ("fp32", w32)):
+            # x, dy, dx, y once each (bf16)
+            inputs = (x, w.requires_grad_(), None, "silu", cu_all)
+            yield f"conv D={D}, {name} weight", inputs, dy, 4 * x.numel() * 2
 
 
 def norm_cases(args, device):

@@ -18,6 +18,8 @@
 #   bash tools/gpu_acceptance.sh kda       (KDA's GPU tests, its fla export's, tools/bench_kda.py against fla-core:
 #                                           carry fla-core's wheels in .whl/, see the part below)
 #   bash tools/gpu_acceptance.sh kda_ab    (tools/bench_kda.py of this tree against .bench_baseline's, one GPU)
+#   bash tools/gpu_acceptance.sh block_kernels (tools/bench_block_kernels.py: conv, norms, rotary; the conv
+#                                           beside .bench_baseline's, with bf16 and fp32 weights)
 #   bash tools/gpu_acceptance.sh host      (tools/bench_host.py, then the trainer at one row a micro-batch under
 #                                           py-spy when its wheel is in .whl/: where the host's time goes)
 #   bash tools/gpu_acceptance.sh multi     (every GPU of the machine, 2 or 4: tools/multi_gpu_acceptance.py's
@@ -216,6 +218,17 @@ if [[ " $parts " == *" host "* ]]; then
     fi
     wait $trainer
     grep -E "^step " "$out/host_one_row.log" | tail -8
+fi
+# The block's memory-bound kernels (tools/bench_block_kernels.py): the short conv with a bf16 and with
+# an fp32 weight (the model passes its fp32 master weights since 2026-11-29), beside .bench_baseline's
+# short conv where there is one; the norms and rotary. One GPU.
+if [[ " $parts " == *" block_kernels "* ]]; then
+    base=()
+    old_conv=.bench_baseline/kernels/short_conv.py
+    if [[ -f $old_conv ]]; then base=(--baseline "$old_conv"); fi
+    CUDA_VISIBLE_DEVICES=${gpus[0]} step block_kernels 300 python3 tools/bench_block_kernels.py "${base[@]}" \
+        --out "$out/bench_block_kernels.json"
+    tail -16 "$out/block_kernels.log"
 fi
 # KDA kernels of this tree against another's (.bench_baseline: git archive of a ref, as for `ab`), one
 # GPU, the same shapes one after the other in one call; fla-core beside ours in this tree's run when
