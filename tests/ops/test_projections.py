@@ -10,6 +10,7 @@ from torch import nn
 from gdn_parallel.ops import projections
 from gdn_parallel.ops.projections import project, project_reference
 from tests.compare import assert_close_set
+from tests.op_counts import OpCounter
 from tests.seeds import generator, seed_torch
 
 
@@ -130,23 +131,13 @@ def test_what_it_leaves_to_the_modules(case, monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.casts += func is torch.ops.aten._to_copy.default
-        return func(*args, **(kwargs or {}))
-
-
 def _two_microbatches(linears, down_weight, shared: bool):
     """Two micro-batches through project and swiglu_down under CPU autocast: (outputs and gradients,
     the casts counted)."""
     from gdn_parallel.ops.swiglu import swiglu_down
     for p in (*[m.weight for m in linears], down_weight):
         p.grad = None
-    gen, outs, counter = generator(5), [], _CastCounter()
+    gen, outs, counter = generator(5), [], OpCounter()
     scope = projections.weights_cast_once() if shared else contextlib.nullcontext()
     with scope, torch.autocast("cpu", dtype=torch.bfloat16), counter:
         for _ in range(2):
@@ -156,7 +147,7 @@ def _two_microbatches(linears, down_weight, shared: bool):
             out.float().square().sum().backward()
             outs.append(out.detach())
     grads = [m.weight.grad.clone() for m in linears] + [down_weight.grad.clone()]
-    return outs + grads, counter.casts
+    return outs + grads, counter.calls[torch.ops.aten._to_copy.default]
 
 
 def test_a_steps_microbatches_share_each_weights_cast():

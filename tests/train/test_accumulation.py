@@ -1,6 +1,5 @@
 """Gradient accumulation (train.microbatch_size): a batch split into micro-batches trains exactly as
 the whole batch does (CPU, fp32): per-step losses and the parameters after the steps."""
-import collections
 import copy
 
 import pytest
@@ -14,6 +13,7 @@ from gdn_parallel.parallel.mesh import build_mesh
 from gdn_parallel.parallel.parallelize import parallelize
 from gdn_parallel.train import run_training
 from tests.compare import assert_close_set
+from tests.op_counts import OpCounter
 from tests.parallel.test_layouts import model_config
 from tests.seeds import generator, seed_torch
 
@@ -78,17 +78,6 @@ def test_microbatch_size_must_divide_the_batch():
 
 
 
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """How many times each aten operator ran."""
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _step_of_two(whole, group, autocast_dtype=None, **flags):
     """One train_step of two micro-batches with these ParallelModel sharing flags: (the gradients,
     the operators counted)."""
@@ -96,7 +85,7 @@ def _step_of_two(whole, group, autocast_dtype=None, **flags):
     for name, value in flags.items():
         setattr(parallel, name, value)
     batches = packed_batches(_documents(30, seed=1), 16, 2, seed=2)
-    with _OpCounter() as counter:
+    with OpCounter() as counter:
         parallel.train_step([next(batches) for _ in range(2)], autocast_dtype=autocast_dtype)
     return {name: p.grad for name, p in parallel.model.named_parameters()}, counter.calls
 
