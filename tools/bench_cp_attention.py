@@ -16,6 +16,12 @@ the masked attention on the queries it computes and the gathered keys, captured 
 op), with no collective inside, so the ranks' times differ by their share of the work: its slowest
 over the mean is the balance (1.0: balanced). JSON to --out (rank 0).
 
+`--ranks N` without torchrun: one device runs each of N ranks' own work in turn (the same masks and
+shapes, laid out by `full_attention_positions` with no message), so the balance is measured where
+fewer GPUs than ranks are lent; there is no `step` time in that mode.
+
+    python tools/bench_cp_attention.py --ranks 4 --docs 1
+
 On CPU (gloo, `--device cpu`) the same runs with impl sdpa at any small size: the plumbing only (sdpa
 computes the whole masked matrix, so both splits cost alike there).
 """
@@ -39,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from gdn_parallel.comm import CPContext  # noqa: E402
 from gdn_parallel.ops.attention import attention  # noqa: E402
 from gdn_parallel.ops.attention import cp as cp_attention_module  # noqa: E402
+from gdn_parallel.ops.attention.cp import full_attention_positions  # noqa: E402
 
 SPLITS = ("contiguous", "zigzag")
 
@@ -53,21 +60,28 @@ def parse_args(argv=None):
     parser.add_argument("--docs", type=int, default=1, help="equal documents in the row")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="without torchrun: time this many ranks' own work in turn on one device")
     parser.add_argument("--device", choices=("cuda", "cpu"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/bench_cp_attention")))
     return parser.parse_args(argv)
 
 
-def measure(rank: int, world: int, args) -> dict:
-    """{split: [this rank's milliseconds per forward + backward]} on the current process group."""
+def _setting(args, world: int):
+    """(device, dtype, impl, the row's document boundaries)."""
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    impl = "flex" if device.type == "cuda" else "sdpa"
     total = args.tokens_per_rank * world
     if total % args.docs:
         raise SystemExit(f"--docs {args.docs} does not divide the row of {total} tokens")
     cu = [total * d // args.docs for d in range(args.docs + 1)]
+    on_gpu = device.type == "cuda"
+    return device, torch.bfloat16 if on_gpu else torch.float32, "flex" if on_gpu else "sdpa", cu
+
+
+def measure(rank: int, world: int, args) -> dict:
+    """{split: [this rank's milliseconds per forward + backward]} on the current process group."""
+    device, dtype, impl, cu = _setting(args, world)
     gen = torch.Generator().manual_seed(1234 + rank)
     shapes = ((args.heads, args.head_dim), (args.kv_heads, args.head_dim), (args.kv_heads, args.head_dim))
     q, k, v = (torch.randn(1, args.tokens_per_rank, h, d, generator=gen).to(device, dtype) for h, d in shapes)
@@ -84,12 +98,36 @@ def measure(rank: int, world: int, args) -> dict:
     return times
 
 
+def measure_ranks_in_turn(world: int, args) -> list[dict]:
+    """[{split: {"own": milliseconds}} for each of `world` ranks], every rank's own work (its queries
+    under the split against the whole row's keys, forward + backward) run in turn on this device."""
+    device, dtype, impl, cu = _setting(args, world)
+    shapes = ((args.heads, args.head_dim), (args.kv_heads, args.head_dim), (args.kv_heads, args.head_dim))
+    per_rank: list[dict] = [{} for _ in range(world)]
+    for split in SPLITS:
+        for rank in range(world):
+            cp = CPContext.build(None, cu, args.tokens_per_rank, rank=rank, size=world,
+                                 attention_split=split, device=device)
+            q_index, q_doc, k_index, k_doc = full_attention_positions(cp, device)
+            gen = torch.Generator().manual_seed(1234 + rank)
+            lengths = (len(q_index), cp.total, cp.total)
+            q, k, v = (torch.randn(1, n, h, d, generator=gen).to(device, dtype)
+                       for n, (h, d) in zip(lengths, shapes))
+            inputs = {"q": q, "k": k, "v": v, "do": torch.randn(q.shape, generator=gen).to(device, dtype),
+                      "kwargs": {"q_index": q_index, "k_index": k_index, "q_doc": q_doc, "k_doc": k_doc,
+                                 "window": None, "scale": None, "impl": impl, "memo": {}}}
+            per_rank[rank][split] = {"own": _samples(device, args, functools.partial(_own_work, inputs))}
+            del inputs, q, k, v
+    return per_rank
+
+
 def _samples(device: torch.device, args, fn, after=None) -> list[float]:
     """`fn`'s milliseconds over --iters calls after --warmup, every rank starting each call together;
     `after` (untimed) follows each call."""
     samples = []
     for i in range(args.warmup + args.iters):
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         elapsed = _timed(device, fn)
         if after is not None:
             after()
@@ -152,10 +190,12 @@ def summarize(per_rank: list[dict]) -> dict:
     from every rank's samples (medians)."""
     report = {}
     for split in SPLITS:
-        step = [statistics.median(times[split]["step"]) for times in per_rank]
         own = [statistics.median(times[split]["own"]) for times in per_rank]
-        report[split] = {"step_ms_per_rank": step, "step_slowest_ms": max(step),
-                         "own_ms_per_rank": own, "own_slowest_over_mean": max(own) / statistics.fmean(own)}
+        row = {"own_ms_per_rank": own, "own_slowest_over_mean": max(own) / statistics.fmean(own)}
+        if all("step" in times[split] for times in per_rank):      # not under --ranks: no collective
+            step = [statistics.median(times[split]["step"]) for times in per_rank]
+            row.update(step_ms_per_rank=step, step_slowest_ms=max(step))
+        report[split] = row
     return report
 
 
@@ -165,12 +205,18 @@ def table(report: dict) -> str:
     for split, row in report.items():
         ranks = ", ".join(f"{ms:.2f}" for ms in row["own_ms_per_rank"])
         balance = row["own_slowest_over_mean"]
-        lines.append(f"| {split} | {row['step_slowest_ms']:.2f} | {ranks} | {balance:.3f} |")
+        step = f"{row['step_slowest_ms']:.2f}" if "step_slowest_ms" in row else "-"
+        lines.append(f"| {split} | {step} | {ranks} | {balance:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.ranks is not None:
+        if args.ranks < 1:
+            raise SystemExit(f"--ranks {args.ranks}: give the number of CP ranks to lay out (>= 1)")
+        _write(args, args.ranks, measure_ranks_in_turn(args.ranks, args), mode="ranks in turn on one device")
+        return 0
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -183,16 +229,21 @@ def main(argv=None) -> int:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, times)
         if rank == 0:
-            report = summarize(gathered)
-            print(table(report))
-            args.out.mkdir(parents=True, exist_ok=True)
-            device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-            (args.out / "cp_attention.json").write_text(json.dumps(
-                {"device": device, "world": world, "settings": {k: str(v) for k, v in vars(args).items()},
-                 "samples": gathered, "report": report, "table": table(report)}, indent=1))
+            _write(args, world, gathered, mode="one process a rank")
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _write(args, world: int, samples: list[dict], mode: str) -> None:
+    report = summarize(samples)
+    print(table(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    (args.out / "cp_attention.json").write_text(json.dumps(
+        {"device": device, "world": world, "mode": mode,
+         "settings": {k: str(v) for k, v in vars(args).items()},
+         "samples": samples, "report": report, "table": table(report)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -164,13 +164,19 @@ if [[ " $parts " == *" scaling_profile "* ]]; then
     grep -A9 "^| dimension" "$out/scaling_profile.log"
 fi
 # Full attention's balance under cp (issue 43): each rank's forward + backward time, the contiguous split
-# against zigzag, over every GPU, 64K tokens a rank, one document and then eight.
+# against zigzag, 64K tokens a rank, one document and then eight: over every GPU when there are several,
+# and cp 4's ranks in turn on the first GPU (--ranks 4: each rank's own attention, no collective).
 if [[ " $parts " == *" zigzag "* ]]; then
     n=$(nvidia-smi -L | wc -l)
     for docs in 1 8; do
-        step "zigzag_docs$docs" 280 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
-            tools/bench_cp_attention.py --docs "$docs" --out "$out/zigzag_docs$docs"
-        tail -4 "$out/zigzag_docs$docs.log"
+        if (( n > 1 )); then
+            step "zigzag_docs$docs" 280 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+                tools/bench_cp_attention.py --docs "$docs" --out "$out/zigzag_docs$docs"
+            tail -4 "$out/zigzag_docs$docs.log"
+        fi
+        CUDA_VISIBLE_DEVICES=${gpus[0]} step "zigzag_in_turn_docs$docs" 280 python3 tools/bench_cp_attention.py \
+            --ranks 4 --docs "$docs" --out "$out/zigzag_in_turn_docs$docs"
+        tail -4 "$out/zigzag_in_turn_docs$docs.log"
     done
 fi
 # Kimi Delta Attention (issue 43): the kernels' GPU tests and the fla export's beside the benchmark

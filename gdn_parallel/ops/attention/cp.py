@@ -42,7 +42,8 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
     q_doc = cp.local_doc_ids().to(device)
     token = None
     if window is None:
-        kv, k_index, k_doc = _whole_row_keys(cp, k, v)
+        kv = _whole_row(cp, k, v)
+        k_index, k_doc = _row_key_positions(cp, device)
     else:
         kv_local = torch.cat([k, v], dim=-1)
         halo, token = exchange_halo(cp, kv_local, window - 1, q)
@@ -53,24 +54,38 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
     return tie(o, token)
 
 
-def _whole_row_keys(cp: CPContext, k, v):
-    """K and V of the whole row (all-gathered, [1, total, HKV, Dk + Dv]) with their indices and documents."""
+def full_attention_positions(cp: CPContext, device) -> tuple[torch.Tensor, ...]:
+    """(q_index, q_doc, k_index, k_doc): the mask of full causal attention on this rank under the
+    plan's split, the global indices and documents of the queries it computes (its shard, or its two
+    zigzag blocks) and of the whole row's keys. Needs no message, so one process can lay out every
+    rank's work (tools/bench_cp_attention.py --ranks)."""
+    k_index, k_doc = _row_key_positions(cp, device)
+    if cp.attention_split == "zigzag":
+        q_index = on_device(worked_positions(cp), device)
+        return q_index, k_doc[q_index], k_index, k_doc
+    return torch.arange(cp.start, cp.end, device=device), cp.local_doc_ids().to(device), k_index, k_doc
+
+
+def _row_key_positions(cp: CPContext, device) -> tuple[torch.Tensor, torch.Tensor]:
+    k_index = torch.arange(cp.total, device=device)
+    return k_index, torch.bucketize(k_index, on_device(cp.global_cu_seqlens, device), right=True) - 1
+
+
+def _whole_row(cp: CPContext, k, v) -> torch.Tensor:
+    """K and V of the whole row, all-gathered: [1, total, HKV, Dk + Dv]."""
     k_all = all_gather(cp, torch.cat([k[0], v[0]], dim=-1))           # [P, L, HKV, Dk + Dv]
-    kv = k_all.reshape(1, cp.total, *k_all.shape[2:])
-    k_index = torch.arange(cp.total, device=k.device)
-    k_doc = torch.bucketize(k_index, on_device(cp.global_cu_seqlens, k.device), right=True) - 1
-    return kv, k_index, k_doc
+    return k_all.reshape(1, cp.total, *k_all.shape[2:])
 
 
 def _zigzag_attention(q, k, v, scale, impl: str, cp: CPContext, memo: dict | None) -> torch.Tensor:
     """Full attention of the query blocks this rank computes under the zigzag split (their global
     indices and documents in the mask), the outputs returned to the shards that own them."""
-    worked_index = worked_positions(cp)      # first: refuses an odd shard before any message
-    kv, k_index, k_doc = _whole_row_keys(cp, k, v)
+    # first: worked_positions refuses an odd shard before any message
+    q_index, q_doc, k_index, k_doc = full_attention_positions(cp, q.device)
+    kv = _whole_row(cp, k, v)
     worked_q = to_workers(cp, q[0]).unsqueeze(0)
-    q_index = on_device(worked_index, q.device)
     k_ext, v_ext = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    o = masked_attention(worked_q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=k_doc[q_index],
+    o = masked_attention(worked_q, k_ext, v_ext, q_index=q_index, k_index=k_index, q_doc=q_doc,
                          k_doc=k_doc, window=None, scale=scale, impl=impl, memo=memo)
     return to_owners(cp, o[0]).unsqueeze(0)
 
