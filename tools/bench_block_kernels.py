@@ -11,8 +11,9 @@ pre-norm RMSNorm over the fp32 residual stream (hidden 2048, bf16 output) and th
 positions from 0 and near the end of a 1M-token sequence, whose ratio shows what the angle's range
 reduction costs there. Each case is
 first checked against the PyTorch path in fp32 on the same rounded inputs (output and every gradient),
-then timed (median of --iters after --warmup, CUDA events). GB/s counts each tensor the op must read
-or write once (inputs, outputs and gradients); the H100's HBM3 moves about 3.35 TB/s.
+then timed (median of --iters after --warmup, CUDA events; and the kernels' own time of one forward +
+backward from torch.profiler, without the host's gaps between launches). GB/s counts each tensor the
+op must read or write once (inputs, outputs and gradients); the H100's HBM3 moves about 3.35 TB/s.
 
 Each tile setting is a set of module constants of gdn_kernels.short_conv / gdn_kernels.norms, set
 for its rows and restored after; the fastest is printed with its ratio to the module's current
@@ -38,11 +39,12 @@ from gdn_parallel.ops.rope import apply_rotary  # noqa: E402
 from gdn_parallel.ops.short_conv import causal_conv1d  # noqa: E402
 from gdn_parallel.ops.triton_dispatch import kernel_module  # noqa: E402
 from gdn_parallel.verify.compare import relative_error  # noqa: E402
-from tools.bench_common import timed_ms  # noqa: E402
+from tools.bench_common import profile_step, timed_ms  # noqa: E402
 
-CONV_SETTINGS = [  # DZ_BLOCK_T, DZ_WARPS, CHUNK_T, BLOCK_T (the forward's and dx pass's tile)
+CONV_SETTINGS = [  # DZ_BLOCK_T, DZ_WARPS, CHUNK_T; BLOCK_T, TILES_PER_PROGRAM (the forward's and dx pass's)
     {}, {"DZ_BLOCK_T": 32}, {"DZ_BLOCK_T": 32, "DZ_WARPS": 8}, {"CHUNK_T": 128}, {"CHUNK_T": 512},
-    {"BLOCK_T": 64}, {"BLOCK_T": 16}]
+    {"BLOCK_T": 64}, {"BLOCK_T": 16}, {"TILES_PER_PROGRAM": 1}, {"TILES_PER_PROGRAM": 2},
+    {"TILES_PER_PROGRAM": 8}, {"BLOCK_T": 16, "TILES_PER_PROGRAM": 8}]
 NORM_SETTINGS = [  # kernels/norms.py's BWD_* constants; {} is the module's own choice
     {}, {"BWD_ROWS_PER_PROGRAM_WIDE": 4, "BWD_NARROW_WARPS": 8},   # the settings before 2026-11-26
     {"BWD_STAGES": 2}, {"BWD_STAGES": 3}, {"BWD_ROWS_PER_PROGRAM_WIDE": 8},
@@ -81,7 +83,10 @@ def median_ms(step, warmup, iters, device) -> float:
 
 
 def forward_backward_ms(fn, inputs, grad_out, warmup, iters):
-    """(forward ms, forward + backward ms) of fn(*inputs)."""
+    """(forward ms, forward + backward ms, the kernels' own ms of a forward + backward or None off CUDA)
+    of fn(*inputs). The first two are spans between CUDA events, so they include the gaps where the
+    GPU waits for the host's launches; the third sums the kernels' durations (torch.profiler), which
+    tells a slower kernel from a slower host."""
     device = grad_out.device
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -91,7 +96,8 @@ def forward_backward_ms(fn, inputs, grad_out, warmup, iters):
 
     def both():
         torch.autograd.grad(fn(*inputs), leaves, grad_out)
-    return median_ms(forward, warmup, iters, device), median_ms(both, warmup, iters, device)
+    fwd, whole = median_ms(forward, warmup, iters, device), median_ms(both, warmup, iters, device)
+    return fwd, whole, profile_step(both, device)["busy_ms"] if device.type == "cuda" else None
 
 
 def check(fn, reference, inputs, grad_out, tol) -> dict:
@@ -213,11 +219,12 @@ def sweep(name, module, settings, fn, reference, inputs, grad_out, bytes_moved, 
     for setting in settings:
         with constants(module, setting):
             row = {"case": name, "setting": setting, **check(fn, reference, inputs, grad_out, 2e-2)}
-            fwd, both = forward_backward_ms(fn, inputs, grad_out, args.warmup, args.iters)
+            fwd, both, kernels = forward_backward_ms(fn, inputs, grad_out, args.warmup, args.iters)
         row.update(forward_ms=fwd, backward_ms=both - fwd, forward_backward_ms=both,
-                   gb_per_s=bytes_moved / both / 1e6)
+                   gb_per_s=bytes_moved / both / 1e6, kernels_ms=kernels)
         rows.append(row)
-        print(f"{name:34s} {json.dumps(setting):48s} fwd {fwd:7.3f} ms  bwd {both - fwd:7.3f} ms  "
+        own = "" if kernels is None else f"  kernels {kernels:7.3f} ms"
+        print(f"{name:34s} {json.dumps(setting):48s} fwd {fwd:7.3f} ms  bwd {both - fwd:7.3f} ms{own}  "
               f"{row['gb_per_s']:7.0f} GB/s  errors {' '.join(f'{e:.1e}' for e in row['rel_errors'])}"
               + ("" if row["ok"] else "  WRONG"), flush=True)
 
@@ -256,8 +263,9 @@ def main(argv=None) -> int:
             print(f"{case}: no setting matched the reference")
             continue
         best, current = min(mine, key=lambda r: r["forward_backward_ms"]), mine[0]
+        own = "" if current["kernels_ms"] is None else f" (its kernels {current['kernels_ms']:.3f} ms)"
         print(f"{case:34s} best {json.dumps(best['setting'])}: {best['forward_backward_ms']:.3f} ms, "
-              f"{current['forward_backward_ms'] / best['forward_backward_ms']:.2f}x the current setting")
+              f"{current['forward_backward_ms'] / best['forward_backward_ms']:.2f}x the current setting{own}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     Path(args.out).write_text(json.dumps({"device": name,

@@ -92,6 +92,17 @@ def test_small_tiles_many_programs(monkeypatch):
     _compare((2, 37, 20, 3, None, True, True, None), torch.float32, 1e-5)
 
 
+@pytest.mark.parametrize("W", [4, 5])
+def test_several_tiles_a_program(monkeypatch, W):
+    """The forward and dx passes over three tiles a program (W = 4: the weights loaded once for
+    them; W = 5: the generic path), with a last program whose tiles run past the end."""
+    monkeypatch.setattr(sc, "BLOCK_T", 8)
+    monkeypatch.setattr(sc, "BLOCK_D", 16)
+    monkeypatch.setattr(sc, "TILES_PER_PROGRAM", 3)
+    _compare((1, 40, 24, W, [0, 3, 4, 21, 40], True, True, "silu"), torch.float32, 1e-5)
+    _compare((2, 37, 20, W, None, False, False, None), torch.float32, 1e-5)
+
+
 # Half of the 16 combinations of the four options: those with an even number switched on. Every
 # combination of any three options is among them (a 2^(4-1) design), at half the interpreter's time.
 OPTIONS = [(prefix, cu, bias, act) for prefix in (False, True) for cu in (False, True)
