@@ -14,7 +14,8 @@
 #   bash tools/gpu_acceptance.sh hybrids_long (both at 256K tokens with cp 2: two GPUs each; on 2 GPUs
 #                                           one after the other, or those named in HYBRID_CONFIGS)
 #   bash tools/gpu_acceptance.sh nodes     (tools/bench_nodes.py: 2 simulated nodes, NCCL over sockets or not)
-#   bash tools/gpu_acceptance.sh zigzag    (full attention's time per rank under cp, contiguous against zigzag)
+#   bash tools/gpu_acceptance.sh zigzag    (full attention's time per rank under cp, contiguous against zigzag;
+#                                           also cp 4's ranks in turn on one GPU)
 #   bash tools/gpu_acceptance.sh kda       (KDA's GPU tests, its fla export's, tools/bench_kda.py against fla-core:
 #                                           carry fla-core's wheels in .whl/, see the part below)
 #   bash tools/gpu_acceptance.sh kda_ab    (tools/bench_kda.py of this tree against .bench_baseline's, one GPU)
