@@ -94,6 +94,13 @@ def _weight(w_ptr, offs_d, d_ok, i: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _four_weights(w_ptr, offs_d, d_ok, W: tl.constexpr):
+    """Columns 0..3 of w as fp32 [1, BD] each (0 past W): the W <= 4 kernels load them once per program."""
+    return (_weight(w_ptr, offs_d, d_ok, 0, W), _weight(w_ptr, offs_d, d_ok, 1, W),
+            _weight(w_ptr, offs_d, d_ok, 2, W), _weight(w_ptr, offs_d, d_ok, 3, W))
+
+
+@triton.jit
 def _pick(w0, w1, w2, w3, i: tl.constexpr):
     """The weight column of tap i (< 4) among the four loaded ones."""
     w = w0
@@ -132,8 +139,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, y_ptr, T, D,
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if W <= 4:
-        w0, w1 = _weight(w_ptr, offs_d, d_ok, 0, W), _weight(w_ptr, offs_d, d_ok, 1, W)
-        w2, w3 = _weight(w_ptr, offs_d, d_ok, 2, W), _weight(w_ptr, offs_d, d_ok, 3, W)
+        w0, w1, w2, w3 = _four_weights(w_ptr, offs_d, d_ok, W)
         bias = tl.zeros((1, BLOCK_D), dtype=tl.float32)
         if HAS_BIAS:
             bias += tl.load(b_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -184,8 +190,7 @@ def _conv_dz_kernel(x_ptr, w_ptr, b_ptr, p_ptr, start_ptr, dy_ptr, dz_ptr, dw_pt
     taps = tl.arange(0, W_POW2)
     dw = tl.zeros((W_POW2, BLOCK_T, BLOCK_D), dtype=tl.float32)
     if W <= 4:  # the weights and the bias, loaded once per program rather than per tile
-        w0, w1 = _weight(w_ptr, offs_d, d_ok, 0, W), _weight(w_ptr, offs_d, d_ok, 1, W)
-        w2, w3 = _weight(w_ptr, offs_d, d_ok, 2, W), _weight(w_ptr, offs_d, d_ok, 3, W)
+        w0, w1, w2, w3 = _four_weights(w_ptr, offs_d, d_ok, W)
         bias = tl.zeros((1, BLOCK_D), dtype=tl.float32)
         if HAS_BIAS:
             bias += tl.load(b_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -285,8 +290,7 @@ def _conv_dx_kernel(dz_ptr, w_ptr, start_ptr, dx_ptr, dp_ptr, T, D, W: tl.conste
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if W <= 4:
-        w0, w1 = _weight(w_ptr, offs_d, d_ok, 0, W), _weight(w_ptr, offs_d, d_ok, 1, W)
-        w2, w3 = _weight(w_ptr, offs_d, d_ok, 2, W), _weight(w_ptr, offs_d, d_ok, 3, W)
+        w0, w1, w2, w3 = _four_weights(w_ptr, offs_d, d_ok, W)
     for tile in tl.static_range(TILES):
         u = (tl.program_id(0).to(tl.int64) * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
         if W <= 4:  # the sum in _dsource's order: taps W-1 down to 0

@@ -79,12 +79,17 @@ def _setting(args, world: int):
     return device, torch.bfloat16 if on_gpu else torch.float32, "flex" if on_gpu else "sdpa", cu
 
 
+def _head_shapes(args) -> tuple:
+    """(heads, head size) of q, k and v."""
+    return (args.heads, args.head_dim), (args.kv_heads, args.head_dim), (args.kv_heads, args.head_dim)
+
+
 def measure(rank: int, world: int, args) -> dict:
     """{split: [this rank's milliseconds per forward + backward]} on the current process group."""
     device, dtype, impl, cu = _setting(args, world)
     gen = torch.Generator().manual_seed(1234 + rank)
-    shapes = ((args.heads, args.head_dim), (args.kv_heads, args.head_dim), (args.kv_heads, args.head_dim))
-    q, k, v = (torch.randn(1, args.tokens_per_rank, h, d, generator=gen).to(device, dtype) for h, d in shapes)
+    q, k, v = (torch.randn(1, args.tokens_per_rank, h, d, generator=gen).to(device, dtype)
+               for h, d in _head_shapes(args))
     do = torch.randn(1, args.tokens_per_rank, args.heads, args.head_dim, generator=gen).to(device, dtype)
     times = {}
     for split in SPLITS:
@@ -102,7 +107,6 @@ def measure_ranks_in_turn(world: int, args) -> list[dict]:
     """[{split: {"own": milliseconds}} for each of `world` ranks], every rank's own work (its queries
     under the split against the whole row's keys, forward + backward) run in turn on this device."""
     device, dtype, impl, cu = _setting(args, world)
-    shapes = ((args.heads, args.head_dim), (args.kv_heads, args.head_dim), (args.kv_heads, args.head_dim))
     per_rank: list[dict] = [{} for _ in range(world)]
     for split in SPLITS:
         for rank in range(world):
@@ -112,7 +116,7 @@ def measure_ranks_in_turn(world: int, args) -> list[dict]:
             gen = torch.Generator().manual_seed(1234 + rank)
             lengths = (len(q_index), cp.total, cp.total)
             q, k, v = (torch.randn(1, n, h, d, generator=gen).to(device, dtype)
-                       for n, (h, d) in zip(lengths, shapes))
+                       for n, (h, d) in zip(lengths, _head_shapes(args)))
             inputs = {"q": q, "k": k, "v": v, "do": torch.randn(q.shape, generator=gen).to(device, dtype),
                       "kwargs": {"q_index": q_index, "k_index": k_index, "q_doc": q_doc, "k_doc": k_doc,
                                  "window": None, "scale": None, "impl": impl, "memo": {}}}

@@ -38,8 +38,7 @@ def cp_attention(q, k, v, *, window: int | None, scale, impl: str, cp: CPContext
     if window is None and cp.attention_split == "zigzag":
         return _zigzag_attention(q, k, v, scale, impl, cp, memo)
     device = q.device
-    q_index = torch.arange(cp.start, cp.end, device=device)
-    q_doc = cp.local_doc_ids().to(device)
+    q_index, q_doc = _shard_queries(cp, device)
     token = None
     if window is None:
         kv = _whole_row(cp, k, v)
@@ -63,7 +62,12 @@ def full_attention_positions(cp: CPContext, device) -> tuple[torch.Tensor, ...]:
     if cp.attention_split == "zigzag":
         q_index = on_device(worked_positions(cp), device)
         return q_index, k_doc[q_index], k_index, k_doc
-    return torch.arange(cp.start, cp.end, device=device), cp.local_doc_ids().to(device), k_index, k_doc
+    return *_shard_queries(cp, device), k_index, k_doc
+
+
+def _shard_queries(cp: CPContext, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global indices and documents of the shard's own tokens."""
+    return torch.arange(cp.start, cp.end, device=device), cp.local_doc_ids().to(device)
 
 
 def _row_key_positions(cp: CPContext, device) -> tuple[torch.Tensor, torch.Tensor]:
